@@ -1,0 +1,199 @@
+"""Encoders and decoders of every cache format, and the paged record addressing.
+
+`encode_tokens` turns already-rounded float32 token values into (data record, scale record)
+bytes; `write_records` puts them into a paged cache without synchronizing the device;
+`read_records` and `decode_tokens` go back from cache bytes to values, for tests and for users
+debugging a cache.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import numerics as nx
+from .formats import CacheFormat, ElementCode, ScaleCode
+
+
+# ---- quantization blocks ------------------------------------------------------------------
+def block_exponent(fmt: CacheFormat, amax: torch.Tensor) -> torch.Tensor:
+    """e = ceil(log2(max(amax, floor) / fp_max)) per block (int32), by the format's rule."""
+    amax = torch.clamp_min(amax, fmt.amax_floor)
+    if fmt.divide_by_fp_max:
+        r = amax / fmt.fp_max  # IEEE float32 division
+    else:
+        r = amax * torch.tensor(1.0 / fmt.fp_max, dtype=torch.float32, device=amax.device)
+    e = nx.ceil_log2_exponent(r)
+    if fmt.exponent_clamp is not None:
+        e = e.clamp(*fmt.exponent_clamp)
+    return e
+
+
+def scale_multiplier(e: torch.Tensor) -> torch.Tensor:
+    """2^-e used to scale values into the element range. e is clamped to [-126, 126] first
+    (a difference only for blocks holding Inf), so the multiplier is a normal float32."""
+    return nx.pow2_f32(-e.clamp(-126, 126))
+
+
+def ue8m0_byte(e: torch.Tensor) -> torch.Tensor:
+    return (e + 127).clamp(0, 255).to(torch.uint8)
+
+
+def _quantize_blocks(fmt: CacheFormat, x: torch.Tensor):
+    """x [M, n] float32 -> (element values scaled to the element range [M, n], exponents [M, nb])."""
+    m, n = x.shape
+    blocks = x.reshape(m, n // fmt.quant_block, fmt.quant_block)
+    e = block_exponent(fmt, nx.nan_ignoring_amax(blocks, dim=-1))
+    y = blocks * scale_multiplier(e).unsqueeze(-1)
+    return y.reshape(m, n), e
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """[M, n] codes -> [M, n/2] bytes, element 2j in the low nibble."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    lo = packed & 0xF
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(packed.shape[0], -1)
+
+
+def encode_tokens(
+    fmt: CacheFormat, x: torch.Tensor, kv_scale: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rounded token values [M, D] float32 -> (data record bytes [M, data_bytes],
+    scale record bytes [M, scale_bytes]) as uint8."""
+    m, d = x.shape
+    nq, tail = fmt.dims(d)
+    xq = x[:, :nq]
+    parts = []
+    scale = x.new_empty((m, 0), dtype=torch.uint8)
+    if fmt.element is ElementCode.BF16:
+        parts.append(xq.to(torch.bfloat16).view(torch.uint8).reshape(m, 2 * nq))
+    elif fmt.scale is ScaleCode.TENSOR_F32:
+        if kv_scale is None:
+            raise ValueError(f"format {fmt.name} needs kv_scale (a float32 scale tensor)")
+        y = xq / kv_scale.to(torch.float32).reshape(())
+        parts.append(nx.e4m3_bytes(y))
+    else:
+        y, e = _quantize_blocks(fmt, xq)
+        if fmt.element is ElementCode.E4M3:
+            parts.append(nx.e4m3_bytes(y))
+        else:
+            parts.append(pack_e2m1(nx.e2m1_codes(y)))
+        if fmt.scale is ScaleCode.UE8M0:
+            scale = ue8m0_byte(e)
+            if fmt.scale_pad_bytes:
+                scale = torch.cat((scale, scale.new_zeros((m, fmt.scale_pad_bytes))), dim=1)
+        else:  # F32_POW2
+            scale = nx.pow2_f32(e).view(torch.uint8).reshape(m, 4 * e.shape[1])
+    if tail:
+        parts.append(x[:, nq:].to(torch.bfloat16).view(torch.uint8).reshape(m, 2 * tail))
+    data = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return data, scale
+
+
+def decode_tokens(
+    fmt: CacheFormat,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    head_dim: int,
+    kv_scale: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data record bytes, scale record bytes) -> (values [M, D] float32, per-block scales [M, nb]).
+
+    Values are dequantized (element value x block scale); the bf16 rope tail is returned as is.
+    A UE8M0 byte of 255 decodes as NaN."""
+    m = data.shape[0]
+    nq, tail = fmt.dims(head_dim)
+    scales = torch.ones((m, 0), dtype=torch.float32, device=data.device)
+    if fmt.element is ElementCode.BF16:
+        vals = data[:, : 2 * nq].contiguous().view(torch.bfloat16).to(torch.float32)
+    elif fmt.scale is ScaleCode.TENSOR_F32:
+        if kv_scale is None:
+            raise ValueError(f"format {fmt.name} needs kv_scale to decode")
+        vals = nx.e4m3_values(data[:, :nq].contiguous()) * kv_scale.to(torch.float32).reshape(())
+    else:
+        if fmt.element is ElementCode.E4M3:
+            elems = nx.e4m3_values(data[:, :nq].contiguous())
+        else:
+            elems = nx.e2m1_values(unpack_e2m1(data[:, : nq // 2]))
+        nb = fmt.num_scales(head_dim)
+        if fmt.scale is ScaleCode.UE8M0:
+            scales = nx.ue8m0_values(scale[:, :nb])
+        else:
+            scales = scale[:, : 4 * nb].contiguous().view(torch.float32)
+        vals = (elems.reshape(m, nb, fmt.quant_block) * scales.unsqueeze(-1)).reshape(m, nq)
+    if tail:
+        start = data.shape[1] - 2 * tail
+        t = data[:, start:].contiguous().view(torch.bfloat16).to(torch.float32)
+        vals = torch.cat((vals, t), dim=1)
+    return vals, scales
+
+
+# ---- paged addressing -------------------------------------------------------------------------
+def record_byte_index(
+    fmt: CacheFormat, head_dim: int, block_size: int, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For slots [M] (non-negative), the block index [M] and the byte columns inside the block of
+    the data record [M, data_bytes] and the scale record [M, scale_bytes]. All int64."""
+    slots = slots.to(torch.int64)
+    block = torch.div(slots, block_size, rounding_mode="floor")
+    o = slots - block * block_size
+    db, sb = fmt.data_bytes(head_dim), fmt.scale_bytes(head_dim)
+    ar_d = torch.arange(db, device=slots.device, dtype=torch.int64)
+    ar_s = torch.arange(sb, device=slots.device, dtype=torch.int64)
+    data_cols = (o * db).unsqueeze(1) + ar_d
+    scale_cols = (block_size * db + o * sb).unsqueeze(1) + ar_s
+    return block, data_cols, scale_cols
+
+
+def write_records(
+    k_cache: torch.Tensor,
+    fmt: CacheFormat,
+    head_dim: int,
+    block_size: int,
+    slots: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    """Write each row's records at its slot; rows with a negative slot leave every byte alone.
+
+    Without a device sync a masked scatter cannot drop rows, so this adds (new - old) mod 256 with
+    `index_put_(accumulate=True)`: skipped rows add 0 at byte 0 of block 0. Two rows with the same
+    slot are undefined (as in the kernel)."""
+    valid = slots >= 0
+    safe = torch.where(valid, slots.to(torch.int64), torch.zeros_like(slots, dtype=torch.int64))
+    block, dcols, scols = record_byte_index(fmt, head_dim, block_size, safe)
+    for cols, new in ((dcols, data), (scols, scale)):
+        if cols.shape[1] == 0:
+            continue
+        rows = block.unsqueeze(1).expand_as(cols)
+        old = k_cache[rows, cols]
+        delta = torch.where(valid.unsqueeze(1), new - old, torch.zeros_like(new))
+        k_cache.index_put_((rows, cols), delta, accumulate=True)
+
+
+def read_records(
+    k_cache: torch.Tensor, fmt: CacheFormat, head_dim: int, block_size: int, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data and scale record bytes of the tokens at slots [M] (all non-negative)."""
+    block, dcols, scols = record_byte_index(fmt, head_dim, block_size, slots)
+    data = k_cache[block.unsqueeze(1).expand_as(dcols), dcols]
+    scale = k_cache[block.unsqueeze(1).expand_as(scols), scols]
+    return data, scale
+
+
+def decode_cache(
+    k_cache: torch.Tensor,
+    fmt: CacheFormat,
+    head_dim: int,
+    block_size: int,
+    slots: torch.Tensor,
+    kv_scale: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values [M, D] and block scales of the tokens stored at slots: a cache debugging aid."""
+    data, scale = read_records(k_cache, fmt, head_dim, block_size, slots)
+    return decode_tokens(fmt, data, scale, head_dim, kv_scale)

@@ -1,0 +1,114 @@
+"""Bit-exact scalar building blocks for the reference, in plain vectorized torch.
+
+Everything here runs on CPU and CUDA tensors, never synchronizes and traces under
+torch.compile(fullgraph=True). The kernels use the same rules; the comments say which PTX
+instruction each function stands for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+F32_MANTISSA_MASK = 0x7FFFFF
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+E4M3_NAN_BYTE = 0x7F  # cvt.rn.satfinite.e4m3x2.f32 gives the canonical NaN 0x7F for any NaN
+E2M1_NAN_CODE = 0x7  # e2m1 has no NaN; NaN is stored as +6 (CUDA's fp4 conversion rule)
+
+
+def round_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 -> dtype (round to nearest even) -> fp32."""
+    return x.to(dtype).to(torch.float32)
+
+
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 a*b + c, like PTX `fma.rn.f32`.
+
+    The product of two float32 values is exact in float64. The sum is rounded to float64 with
+    round-to-odd (TwoSum gives the exact error; an inexact even result moves one ulp towards the
+    exact value), and round-to-odd at 53 bits followed by round-to-nearest at 24 bits is a single
+    correct rounding. Non-finite sums are left to float64 arithmetic (same IEEE result).
+    """
+    a64, b64, c64 = a.double(), b.double(), c.double()
+    p = a64 * b64
+    s = p + c64
+    bv = s - p
+    err = (p - (s - bv)) + (c64 - bv)
+    even = (s.view(torch.int64) & 1) == 0
+    fix = (err != 0) & even & torch.isfinite(s) & torch.isfinite(err)
+    toward = torch.where(err > 0, torch.full_like(s, float("inf")), torch.full_like(s, float("-inf")))
+    s = torch.where(fix, torch.nextafter(s, toward), s)
+    return s.to(torch.float32)
+
+
+def ceil_log2_exponent(r: torch.Tensor) -> torch.Tensor:
+    """ceil(log2(r)) for positive normal float32 r (int32), from the bits, never a log.
+
+    `((bits + 0x7FFFFF) >> 23) - 127`: a nonzero mantissa carries into the exponent. This is the
+    portable form of `cvt.rp.satfinite.ue8m0x2.f32` (spec/formats.md). +Inf gives 128.
+    """
+    bits = r.view(torch.int32)
+    return ((bits + F32_MANTISSA_MASK) >> 23) - 127
+
+
+def pow2_f32(e: torch.Tensor) -> torch.Tensor:
+    """2^e as float32 for integer e in [-126, 128] (128 gives +Inf), built from the bits."""
+    return ((e + 127).to(torch.int32) << 23).view(torch.float32)
+
+
+def nan_ignoring_amax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """max |x| along dim, ignoring NaN like PTX `max.f32` (an all-NaN block gives 0)."""
+    a = x.abs()
+    return torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(dim=dim)
+
+
+def e4m3_bytes(y: torch.Tensor) -> torch.Tensor:
+    """float32 -> e4m3 bytes with round-to-nearest-even and saturation to +-448.
+
+    `cvt.rn.satfinite.e4m3x2.f32`: +-Inf saturates to +-448, NaN gives 0x7F.
+    """
+    b = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(torch.isnan(y), torch.full_like(b, E4M3_NAN_BYTE), b)
+
+
+def e4m3_values(b: torch.Tensor) -> torch.Tensor:
+    return b.view(torch.float8_e4m3fn).to(torch.float32)
+
+
+# E2M1 magnitudes by code 0..7 and the round-to-nearest-even decision points between them.
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """float32 -> 4-bit e2m1 codes (uint8 0..15), round-to-nearest-even, saturating to +-6.
+
+    A tie goes to the even code: 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2.0, 2.5->2.0, 3.5->4.0,
+    5->4.0. The sign bit (0x8) follows the sign of y, -0 included. NaN -> 0x7 (+6).
+    This is the software rounding the SM90 kernels use; SM100/SM120 use `cvt.rn.satfinite.e2m1x2.f32`.
+    """
+    a = y.abs()
+    code = (
+        (a > 0.25).to(torch.uint8)
+        + (a >= 0.75).to(torch.uint8)
+        + (a > 1.25).to(torch.uint8)
+        + (a >= 1.75).to(torch.uint8)
+        + (a > 2.5).to(torch.uint8)
+        + (a >= 3.5).to(torch.uint8)
+        + (a > 5.0).to(torch.uint8)
+    )
+    sign = torch.signbit(y).to(torch.uint8) << 3
+    out = code | sign
+    return torch.where(torch.isnan(y), torch.full_like(out, E2M1_NAN_CODE), out)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
+    mag = grid[(codes & 0x7).long()]
+    return torch.where((codes & 0x8) != 0, -mag, mag)
+
+
+def ue8m0_values(b: torch.Tensor) -> torch.Tensor:
+    """Scale bytes -> 2^(byte-127) as float32; 255 is the UE8M0 NaN code."""
+    e = b.to(torch.int32) - 127
+    v = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
+    return torch.where(b == 255, torch.full_like(v, float("nan")), v)

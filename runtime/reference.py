@@ -1,0 +1,205 @@
+"""PyTorch reference of the op family (spec/op.md): the contract every kernel is checked against.
+
+Vectorized over tokens and heads, runs on CPU and CUDA, never synchronizes the device, and traces
+under torch.compile(fullgraph=True). Two operation orders:
+
+* ``order="kernel"`` (default) follows this project's kernels operation by operation: the sum of
+  squares is a fused multiply-add chain per lane followed by a butterfly over the lanes of a row,
+  RoPE uses `fma` (even' = fma(e, c, -(o*s)), odd' = fma(e, s, o*c)), 1/sqrt is IEEE sqrt then IEEE
+  division. Kernel outputs then match bit for bit, q_out and the bf16 rope tail included.
+* ``order="eager"`` is the plain textbook formula (torch.sum, rsqrt, separate multiply and add);
+  it agrees with the kernel order within one bf16 ulp on stored values.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import codecs
+from . import numerics as nx
+from .formats import CacheFormat, get_format
+
+VEC = 8  # elements per 128-bit access of a 16-bit dtype: the kernels' lane mapping unit
+WARP = 32
+
+
+def lanes_per_row(head_dim: int) -> int:
+    """Lanes that share one row in the kernels: vector j of a row goes to lane j % lanes."""
+    return min(WARP, head_dim // VEC)
+
+
+def _check_order(order: str) -> None:
+    if order not in ("kernel", "eager"):
+        raise ValueError(f"order must be 'kernel' or 'eager', got {order!r}")
+
+
+def sum_of_squares(x: torch.Tensor, order: str = "kernel") -> torch.Tensor:
+    """sum(x^2) over the last dim (float32)."""
+    if order == "eager":
+        return (x * x).sum(dim=-1)
+    d = x.shape[-1]
+    lanes = lanes_per_row(d)
+    per_lane = d // lanes
+    # [..., V, lanes, VEC] -> [..., lanes, V * VEC]: each lane walks its vectors in order.
+    xl = x.reshape(*x.shape[:-1], d // (lanes * VEC), lanes, VEC).transpose(-3, -2)
+    xl = xl.reshape(*x.shape[:-1], lanes, per_lane)
+    acc = torch.zeros(xl.shape[:-1], dtype=torch.float32, device=x.device)
+    for i in range(per_lane):
+        acc = nx.fma_f32(xl[..., i], xl[..., i], acc)
+    while acc.shape[-1] > 1:  # butterfly: xor 1, 2, 4, ... pairs neighbours in order
+        acc = acc[..., 0::2] + acc[..., 1::2]
+    return acc[..., 0]
+
+
+def rms_inverse(x: torch.Tensor, eps: float, order: str = "kernel") -> torch.Tensor:
+    """1/sqrt(mean(x^2) + eps) over the last dim, keepdim."""
+    ms = sum_of_squares(x, order) / x.shape[-1] + eps
+    if order == "eager":
+        return torch.rsqrt(ms).unsqueeze(-1)
+    return (1.0 / torch.sqrt(ms)).unsqueeze(-1)
+
+
+def rope_tail(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, order: str = "kernel"
+) -> torch.Tensor:
+    """GPT-J (interleaved pairs) RoPE on dims [D-R, D) of x [..., D]; cos/sin broadcast to
+    [..., R/2]."""
+    d = x.shape[-1]
+    head, tail = x[..., : d - rope_dim], x[..., d - rope_dim :]
+    even, odd = tail[..., 0::2], tail[..., 1::2]
+    if order == "eager":
+        new_even = even * cos - odd * sin
+        new_odd = even * sin + odd * cos
+    else:
+        new_even = nx.fma_f32(even, cos, -(odd * sin))
+        new_odd = nx.fma_f32(even, sin, odd * cos)
+    rotated = torch.stack((new_even, new_odd), dim=-1).reshape(tail.shape)
+    return torch.cat((head, rotated), dim=-1)
+
+
+def _cos_sin(cos_sin_cache: torch.Tensor, positions: torch.Tensor, rope_dim: int):
+    cs = cos_sin_cache.index_select(0, positions.to(torch.int64)).to(torch.float32)
+    half = rope_dim // 2
+    return cs[:, :half], cs[:, half:rope_dim]
+
+
+# ---- the Q path ----------------------------------------------------------------------------
+def q_values(
+    q_in: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    eps: float,
+    *,
+    apply_q_norm: bool = True,
+    order: str = "kernel",
+) -> torch.Tensor:
+    """Normalized and rotated Q [N, H, D] in float32 (not yet rounded)."""
+    _check_order(order)
+    rope_dim = cos_sin_cache.shape[1]
+    x = q_in.to(torch.float32)
+    if apply_q_norm:
+        x = x * rms_inverse(x, eps, order)
+    cos, sin = _cos_sin(cos_sin_cache, positions, rope_dim)
+    return rope_tail(x, cos.unsqueeze(1), sin.unsqueeze(1), rope_dim, order)
+
+
+def store_q(q_out: torch.Tensor, q: torch.Tensor, *, q_scale=None, write_pad_heads: bool = True):
+    """Round q [N, H, D] float32 into q_out[:N, :H]; zero heads [H, P) of rows < N."""
+    n, h, _ = q.shape
+    if q_out.dtype == torch.float8_e4m3fn:
+        if q_scale is None:
+            raise ValueError("an FP8 q_out needs q_scale (a float32 scale tensor)")
+        raw = q_out.view(torch.uint8)
+        raw[:n, :h] = nx.e4m3_bytes(q / q_scale.to(torch.float32).reshape(()))
+        if write_pad_heads:
+            raw[:n, h:] = 0
+        return
+    q_out[:n, :h] = q.to(q_out.dtype)
+    if write_pad_heads:
+        q_out[:n, h:] = 0
+
+
+# ---- the KV path ---------------------------------------------------------------------------
+def kv_values(
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    order: str = "kernel",
+) -> torch.Tensor:
+    """The values a cache stores for kv rows [M, D]: (optional weighted RMSNorm, rounded through
+    the I/O dtype), RoPE, rounded through the I/O dtype. float32 [M, D]."""
+    _check_order(order)
+    rope_dim = cos_sin_cache.shape[1]
+    x = kv.to(torch.float32)
+    if norm_weight is not None:
+        x = nx.round_through((x * rms_inverse(x, eps, order)) * norm_weight.to(torch.float32), kv.dtype)
+    cos, sin = _cos_sin(cos_sin_cache, positions, rope_dim)
+    return nx.round_through(rope_tail(x, cos, sin, rope_dim, order), kv.dtype)
+
+
+def insert_kv(
+    k_cache: torch.Tensor,
+    fmt: CacheFormat,
+    values: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    kv_scale: Optional[torch.Tensor] = None,
+) -> None:
+    data, scale = codecs.encode_tokens(fmt, values, kv_scale)
+    codecs.write_records(k_cache, fmt, values.shape[1], block_size, slot_mapping, data, scale)
+
+
+# ---- the ops -------------------------------------------------------------------------------
+def qnorm_rope_kv_insert(
+    q_in: torch.Tensor,
+    kv: torch.Tensor,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    eps: float,
+    block_size: int,
+    cache_format: str = "fp8_ds_mla",
+    *,
+    kv_scale: Optional[torch.Tensor] = None,
+    q_scale: Optional[torch.Tensor] = None,
+    apply_q_norm: bool = True,
+    write_pad_heads: bool = True,
+    order: str = "kernel",
+) -> None:
+    """The caller-owned op: q_out[:N, :H] and k_cache are written, nothing is allocated for the
+    caller. Q for all N rows; KV for rows t < M = len(slot_mapping) with slot >= 0."""
+    fmt = get_format(cache_format)
+    n = q_in.shape[0]
+    m = slot_mapping.shape[0]
+    q = q_values(q_in, positions[:n], cos_sin_cache, eps, apply_q_norm=apply_q_norm, order=order)
+    vals = kv_values(kv[:m], positions[:m], cos_sin_cache, order=order)
+    store_q(q_out, q, q_scale=q_scale, write_pad_heads=write_pad_heads)
+    insert_kv(k_cache, fmt, vals, slot_mapping, block_size, kv_scale)
+
+
+def kv_rope_insert(
+    kv: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    block_size: int,
+    cache_format: str = "fp8_ds_mla",
+    *,
+    norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    kv_scale: Optional[torch.Tensor] = None,
+    order: str = "kernel",
+) -> None:
+    """KV-only relatives: RoPE (after an optional weighted RMSNorm) and insert."""
+    fmt = get_format(cache_format)
+    m = slot_mapping.shape[0]
+    vals = kv_values(kv[:m], positions[:m], cos_sin_cache, norm_weight=norm_weight, eps=eps, order=order)
+    insert_kv(k_cache, fmt, vals, slot_mapping, block_size, kv_scale)
