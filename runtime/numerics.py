@@ -16,9 +16,39 @@ E4M3_NAN_BYTE = 0x7F  # cvt.rn.satfinite.e4m3x2.f32 gives the canonical NaN 0x7F
 E2M1_NAN_CODE = 0x7  # e2m1 has no NaN; NaN is stored as +6 (CUDA's fp4 conversion rule)
 
 
+def _round_mantissa_f32(x: torch.Tensor, drop_bits: int) -> torch.Tensor:
+    """Round float32 x to 23 - drop_bits mantissa bits, nearest even, on the bits (no exponent
+    limit: subnormal float32 inputs round on the same linear grid). NaN -> quiet NaN 0x7FC00000
+    with x's sign; a carry out of the largest exponent gives Inf."""
+    bits = x.view(torch.int32)
+    sign = bits & -0x80000000
+    mag = bits & 0x7FFFFFFF
+    mag = torch.where(mag > 0x7F800000, torch.full_like(mag, 0x7FC00000), mag)  # NaN, no overflow
+    lsb = (mag >> drop_bits) & 1
+    mag = (mag + ((1 << (drop_bits - 1)) - 1) + lsb) & ~((1 << drop_bits) - 1)
+    return (mag | sign).view(torch.float32)
+
+
 def round_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 -> dtype (round to nearest even) -> fp32."""
-    return x.to(dtype).to(torch.float32)
+    """fp32 -> dtype (round to nearest even) -> fp32, for dtype float32, bfloat16 or float16.
+
+    Computed on the float32 bits, not as `x.to(dtype).to(torch.float32)`: under torch.compile,
+    Inductor fuses that pair into a no-op (it skips intermediate downcasts unless
+    `emulate_precision_casts` is set), which silently dropped the rounding that spec/op.md
+    requires (KV path step 3, and the norm of the weighted-norm KV relative). Equal to the cast
+    pair for every non-NaN input; a NaN comes back as a quiet NaN (payload not pinned).
+    """
+    x = x.to(torch.float32)
+    if dtype == torch.float32:
+        return x
+    if dtype == torch.bfloat16:
+        return _round_mantissa_f32(x, 16)
+    if dtype == torch.float16:
+        r = _round_mantissa_f32(x, 13)  # 10 mantissa bits, normal range
+        r = torch.where(r.abs() >= 65536.0, torch.copysign(torch.full_like(r, float("inf")), r), r)
+        sub = torch.round(x * 2.0**24) * 2.0**-24  # below 2^-14: fixed quantum 2^-24, ties even
+        return torch.where(x.abs() < 2.0**-14, sub, r)
+    raise ValueError(f"round_through: unsupported dtype {dtype}")
 
 
 def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -44,11 +74,12 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 def ceil_log2_exponent(r: torch.Tensor) -> torch.Tensor:
     """ceil(log2(r)) for positive normal float32 r (int32), from the bits, never a log.
 
-    `((bits + 0x7FFFFF) >> 23) - 127`: a nonzero mantissa carries into the exponent. This is the
-    portable form of `cvt.rp.satfinite.ue8m0x2.f32` (spec/formats.md). +Inf gives 128.
+    `((bits + 0x7FFFFF) >> 23) - 127`: a nonzero mantissa carries into the exponent. Saturates at
+    127 like `cvt.rp.satfinite.ue8m0x2.f32` (byte 254, the largest finite UE8M0), so +Inf gives
+    127 on every target (spec/formats.md gives the portable integer form of that instruction).
     """
     bits = r.view(torch.int32)
-    return ((bits + F32_MANTISSA_MASK) >> 23) - 127
+    return (((bits + F32_MANTISSA_MASK) >> 23) - 127).clamp_max(127)
 
 
 def pow2_f32(e: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""What a template needs to know about one variant, derived from the variant and the format data.
+
+Nothing here is a template decision: lane mapping, record sizes and the compiled signature all
+follow from the variant's axes and attn_prologue.formats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attn_prologue.formats import ElementCode, ScaleCode
+
+from .variants import Op, QOut, Variant
+
+VEC = 8
+WARP = 32
+
+
+@dataclass(frozen=True)
+class Argument:
+    name: str
+    dsl_type: str  # annotation in the compiled signature
+    fake: str  # expression building its compile-time stand-in
+
+
+def _tensor(name, fake):
+    return Argument(name, "cute.Tensor", fake)
+
+
+def signature(v: Variant) -> list[Argument]:
+    """The compiled function's run-time arguments, in order."""
+    io, d = "IO_DTYPE", "HEAD_DIM"
+    sym, sym64 = "cute.sym_int32()", "cute.sym_int64(divisibility=8)"
+    rows3 = f"({sym}, {sym}, {d}), ({sym64}, {d}, 1)"
+    args = []
+    if v.op is Op.QKV:
+        args.append(_tensor("q_in", f"make_fake_tensor({io}, {rows3}, assumed_align=16)"))
+    args.append(_tensor("kv", f"make_fake_tensor({io}, ({sym}, {d}), ({sym64}, 1), assumed_align=16)"))
+    if v.op is Op.QKV:
+        if v.q_out is QOut.FP8:
+            args.append(_tensor("q_out", f"make_fake_tensor(Uint8, {rows3}, assumed_align=16)"))
+        else:
+            args.append(_tensor("q_out", f"make_fake_tensor({io}, {rows3}, assumed_align=16)"))
+    if v.op is Op.KV_NORM:
+        args.append(_tensor("norm_weight", f"make_fake_compact_tensor({io}, ({d},), assumed_align=16)"))
+    args += [
+        _tensor("k_cache", f"make_fake_tensor(Uint8, ({sym}, {sym}), (cute.sym_int64(divisibility=16), 1), assumed_align=16)"),
+        _tensor("slot_mapping", f"make_fake_compact_tensor(Int64, ({sym},), assumed_align=8)"),
+        _tensor("positions", f"make_fake_compact_tensor(Int64, ({sym},), assumed_align=8)"),
+        _tensor(
+            "cos_sin_cache",
+            f"make_fake_compact_tensor(Float32, ({sym}, ROPE_DIM), stride_order=(1, 0), assumed_align=16)",
+        ),
+    ]
+    if v.format.needs_tensor_scale:
+        args.append(_tensor("kv_scale", "make_fake_compact_tensor(Float32, (1,), assumed_align=4)"))
+    if v.q_out is QOut.FP8:
+        args.append(_tensor("q_scale", "make_fake_compact_tensor(Float32, (1,), assumed_align=4)"))
+    args.append(_tensor("errors", "make_fake_compact_tensor(Int32, (2,), assumed_align=4)"))
+    if v.op in (Op.QKV, Op.KV_NORM):
+        args.append(Argument("eps", "Float32", "Float32(1e-6)"))
+    args.append(Argument("block_size", "Int32", "Int32(64)"))
+    if v.op is Op.QKV:
+        args.append(Argument("n_write_heads", "Int32", "Int32(64)"))
+    args.append(Argument("checked", "Int32", "Int32(0)"))
+    return args
+
+
+def make_plan(v: Variant) -> dict:
+    f = v.format
+    d, r = v.head_dim, v.rope_dim
+    lanes = min(WARP, d // VEC)
+    nq, tail = f.dims(d)
+    if f.element is ElementCode.BF16:
+        encoder = "bf16"
+    elif f.scale is ScaleCode.TENSOR_F32:
+        encoder = "fp8_tensor"
+    else:
+        encoder = "block_scaled"
+    sig = signature(v)
+    return {
+        "lanes_per_row": lanes,
+        "rows_per_pass": WARP // lanes,
+        "slots": d // (VEC * lanes),
+        "tail_vector": (d - r) // VEC,
+        "io_bytes": 2,
+        "q_out_bytes": 1 if v.q_out is QOut.FP8 else 2,
+        "encoder": encoder,
+        "data_bytes": f.data_bytes(d),
+        "scale_bytes": f.scale_bytes(d),
+        "quant_vectors": nq // VEC,
+        "has_tail": tail > 0,
+        "quant_block": f.quant_block,
+        "lanes_per_block": f.quant_block // VEC if f.quant_block else 0,
+        "num_scales": f.num_scales(d),
+        "scale_pad": f.scale_pad_bytes,
+        "amax_floor": repr(f.amax_floor),
+        "element_max": repr(f.fp_max),
+        "element": f.element.value,
+        "element_bytes_per_vector": VEC if f.element is ElementCode.E4M3 else VEC // 2,
+        "divide": f.divide_by_fp_max,
+        "scale": "ue8m0" if f.scale is ScaleCode.UE8M0 else "f32",
+        "needs_e2m1": f.element is ElementCode.E2M1,
+        "signature": sig,
+        "arguments": tuple(a.name for a in sig),
+    }
+
+
+def describe(v: Variant) -> str:
+    q = ""
+    if v.op is Op.QKV:
+        q = f"Q RMSNorm + RoPE into q_out ({'e4m3, per-tensor scale' if v.q_out is QOut.FP8 else v.io_dtype.value}), "
+    norm = "weighted RMSNorm + " if v.op is Op.KV_NORM else ""
+    return f"{q}KV {norm}RoPE + {v.cache_format} encode + paged insert; D={v.head_dim}, R={v.rope_dim}, {v.io_dtype.value} I/O."

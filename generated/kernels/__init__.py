@@ -1,0 +1,1 @@
+"""Generated kernel modules, one per variant (see ../MANIFEST)."""

@@ -1,0 +1,263 @@
+"""`bench`: time the op against a device-to-device copy of its minimum bytes, torch eager and
+torch.compile of the reference, under CUDA-graph replay with cold L2 (input sets rotated so the
+working set is several times the L2), median of many replays.
+
+Bytes the op must move per token (design.md): H*D*2 (q in) + P_written*D*2 (q out) + D*2 (kv in)
++ cache bytes per token + R*4 (cos/sin row) + 16 (position and slot ids).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .formats import get_format
+
+
+@dataclass(frozen=True)
+class Shape:
+    n: int
+    h: int = 64
+    p: int = 64
+    head_dim: int = 512
+    rope_dim: int = 64
+    cache_format: str = "fp8_ds_mla"
+    block_size: int = 64
+    zero_once: bool = False  # pad heads are not written (pool views)
+    op: str = "qkv"
+    dtype: str = "bf16"
+
+    @property
+    def label(self) -> str:
+        pads = "" if self.p == self.h else (" zero-once" if self.zero_once else " write-pads")
+        return f"{self.op} {self.cache_format} D={self.head_dim} T={self.n} H={self.h} P={self.p}{pads}"
+
+    def min_bytes(self) -> int:
+        fmt = get_format(self.cache_format)
+        d = self.head_dim
+        per_token = d * 2 + fmt.bytes_per_token(d) + self.rope_dim * 4 + 16
+        if self.op == "qkv":
+            written = self.h if self.zero_once else self.p
+            per_token += self.h * d * 2 + written * d * 2
+        return self.n * per_token
+
+
+def l2_bytes() -> int:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "L2_cache_size", 50 * 2**20))
+
+
+def graph_time_us(fns: list[Callable[[], None]], replays: int = 30, calls_per_graph: int = 20) -> dict:
+    """Capture `calls_per_graph` calls cycling through fns (one per input set) in a CUDA graph and
+    time its replays with events. Returns the median and spread per call in microseconds."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls_per_graph):
+            fns[i % len(fns)]()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / calls_per_graph)
+    return {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times)}
+
+
+def copy_fns(nbytes: int, sets: int) -> list[Callable[[], None]]:
+    """Device-to-device copies moving nbytes in total (nbytes/2 read + nbytes/2 written)."""
+    half = max(16, nbytes // 2 // 16 * 16)
+    bufs = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda")) for _ in range(sets)]
+    for s, _ in bufs:
+        s.random_(0, 256)
+    return [lambda s=s, d=d: d.copy_(s) for s, d in bufs]
+
+
+@dataclass
+class Result:
+    shape: dict
+    bytes: int
+    op: dict
+    copy: dict
+    eager: Optional[dict] = None
+    compiled: Optional[dict] = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def gbs(self) -> float:
+        return self.bytes / self.op["median_us"] / 1e3
+
+    @property
+    def copy_gbs(self) -> float:
+        return self.bytes / self.copy["median_us"] / 1e3
+
+    def row(self) -> dict:
+        r = {
+            "shape": Shape(**self.shape).label,
+            "us": round(self.op["median_us"], 2),
+            "GB/s": round(self.gbs, 1),
+            "copy us": round(self.copy["median_us"], 2),
+            "of copy": f"{self.op and self.copy['median_us'] / self.op['median_us']:.1%}",
+        }
+        if self.eager:
+            r["vs eager"] = f"{self.eager['median_us'] / self.op['median_us']:.1f}x"
+        if self.compiled:
+            r["vs compile"] = f"{self.compiled['median_us'] / self.op['median_us']:.1f}x"
+        return r
+
+    def as_json(self) -> dict:
+        d = asdict(self)
+        d["gbs"] = self.gbs
+        d["copy_gbs"] = self.copy_gbs
+        return d
+
+
+def input_sets(shape: Shape, sets: int) -> list[dict]:
+    fmt = get_format(shape.cache_format)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
+    d, n = shape.head_dim, shape.n
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    num_blocks = max(1, (n + shape.block_size - 1) // shape.block_size)
+    max_pos = 8192
+    theta = torch.rand(max_pos, shape.rope_dim // 2, device="cuda", generator=g) * 6.28
+    cos_sin = torch.cat((theta.cos(), theta.sin()), 1).contiguous()
+    for _ in range(sets):
+        s = {
+            "kv": torch.randn(n, d, device="cuda", generator=g).to(dt),
+            "k_cache": torch.zeros(num_blocks, shape.block_size * fmt.bytes_per_token(d), dtype=torch.uint8, device="cuda"),
+            "slot_mapping": torch.randperm(num_blocks * shape.block_size, device="cuda", generator=g)[:n].contiguous(),
+            "positions": torch.randint(0, max_pos, (n,), device="cuda", generator=g),
+            "cos_sin_cache": cos_sin,
+        }
+        if fmt.needs_tensor_scale:
+            s["kv_scale"] = torch.tensor([0.02], device="cuda")
+        if shape.op == "qkv":
+            s["q_in"] = torch.randn(n, shape.h, d, device="cuda", generator=g).to(dt)
+            s["q_out"] = torch.zeros(n, shape.p, d, device="cuda", dtype=dt)
+        out.append(s)
+    return out
+
+
+def sets_for_cold_l2(shape: Shape) -> int:
+    return max(2, min(64, (3 * l2_bytes()) // max(1, shape.min_bytes()) + 1))
+
+
+def op_fns(shape: Shape, sets: list[dict], impl: str = "kernel", config=None) -> list[Callable[[], None]]:
+    from . import ops, reference
+
+    fns = []
+    for s in sets:
+        if impl == "kernel":
+            if shape.op == "qkv":
+                fns.append(lambda s=s: ops.qnorm_rope_kv_insert(
+                    s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"],
+                    1e-6, shape.block_size, shape.cache_format, kv_scale=s.get("kv_scale"),
+                    write_pad_heads=not shape.zero_once, config=config))
+            else:
+                fns.append(lambda s=s: ops.kv_rope_insert(
+                    s["kv"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], shape.block_size,
+                    shape.cache_format, kv_scale=s.get("kv_scale"), config=config))
+        else:
+            ref = reference.qnorm_rope_kv_insert if shape.op == "qkv" else reference.kv_rope_insert
+            if impl == "compiled":
+                ref = _compiled(ref)
+            if shape.op == "qkv":
+                fns.append(lambda s=s, ref=ref: ref(
+                    s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"],
+                    1e-6, shape.block_size, shape.cache_format, kv_scale=s.get("kv_scale"), order="eager"))
+            else:
+                fns.append(lambda s=s, ref=ref: ref(
+                    s["kv"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], shape.block_size,
+                    shape.cache_format, kv_scale=s.get("kv_scale"), order="eager"))
+    return fns
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    """torch.compile of the reference, dynamic in the token count, compiled once per function."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=True)
+    return _COMPILED[fn]
+
+
+def run_shape(shape: Shape, *, baselines: bool = True, replays: int = 30, config=None) -> Result:
+    nsets = sets_for_cold_l2(shape)
+    sets = input_sets(shape, nsets)
+    op = graph_time_us(op_fns(shape, sets, config=config), replays=replays, calls_per_graph=max(nsets, 20))
+    copy = graph_time_us(copy_fns(shape.min_bytes(), nsets), replays=replays, calls_per_graph=max(nsets, 20))
+    res = Result(asdict(shape), shape.min_bytes(), op, copy)
+    if baselines:
+        few = sets[: min(2, len(sets))]
+        res.eager = graph_time_us(op_fns(shape, few, "eager"), replays=5, calls_per_graph=2)
+        res.compiled = graph_time_us(op_fns(shape, few, "compiled"), replays=5, calls_per_graph=2)
+    return res
+
+
+def host_overhead_us(shape: Shape, calls: int = 2000) -> dict:
+    """Wall time per eager call of the Python-side path (validation + dispatch + launch), measured
+    with the GPU kept busy-free: calls are issued back to back and the host clock is read before
+    the device catches up; the device time of a T=1 call is far below the host time."""
+    from . import ops
+
+    s = input_sets(shape, 1)[0]
+    args = (s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], 1e-6,
+            shape.block_size, shape.cache_format)
+    for _ in range(50):
+        ops.qnorm_rope_kv_insert(*args)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            ops.qnorm_rope_kv_insert(*args)
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return {"median_us": statistics.median(samples), "min_us": min(samples)}
+
+
+def print_table(results: list[Result]) -> str:
+    rows = [r.row() for r in results]
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    w = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    lines = ["  ".join(c.ljust(w[c]) for c in cols), "  ".join("-" * w[c] for c in cols)]
+    lines += ["  ".join(str(r.get(c, "")).ljust(w[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def save(results: list[Result], path: str, meta: dict) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": [r.as_json() for r in results]}, f, indent=1)
+
+
+def default_shapes(which: str = "targets") -> list[Shape]:
+    main = dict(head_dim=512, cache_format="fp8_ds_mla", block_size=64)
+    shapes = []
+    if which in ("targets", "all", "quick"):
+        ts = (1, 8, 64, 512, 2048, 8192) if which == "quick" else (1, 8, 64, 512, 2048, 8192, 32768)
+        shapes += [Shape(n=t, h=64, p=64, **main) for t in ts]
+        shapes += [Shape(n=t, h=h, p=h, **main) for h in (32, 16) for t in ((1, 8) if h == 32 else (1, 8, 2048, 8192))]
+        shapes += [Shape(n=t, h=8, p=64, zero_once=z, **main) for t in (2048, 8192) for z in (False, True)]
+    if which in ("indexer", "all", "quick"):
+        for fmt in ("fp8_token", "mxfp4"):
+            shapes += [Shape(n=t, h=64, p=64, head_dim=128, cache_format=fmt) for t in (1, 64, 2048, 8192)]
+        shapes += [Shape(n=t, h=64, p=64, cache_format="mxfp8") for t in (1, 2048, 8192)]
+    return shapes

@@ -1,0 +1,173 @@
+"""Command line: `python -m attn_prologue <command>` (also the `attn-prologue` console script).
+
+Build-time commands import codegen lazily; the serving path never does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _table(rows: list[dict]) -> str:
+    cols = list(rows[0])
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    line = "  ".join(c.ljust(widths[c]) for c in cols)
+    out = [line, "  ".join("-" * widths[c] for c in cols)]
+    out += ["  ".join(str(r[c]).ljust(widths[c]) for c in cols) for r in rows]
+    return "\n".join(out)
+
+
+def cmd_list(args) -> int:
+    from .formats import layout_rows
+
+    print("Cache formats (per token; records first, scale records in a footer after all records):\n")
+    print(_table(layout_rows(args.head_dim)))
+    if args.variants:
+        from .codegen.variants import dropped_combinations, variant_space  # noqa: F401
+
+        vs = variant_space()
+        print(f"\n{len(vs)} generated variants:")
+        for v in vs:
+            print(f"  {v.name}")
+        if args.why:
+            print("\nnot generated:")
+            for v, why in dropped_combinations():
+                print(f"  {v.name}: {why}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .codegen import generate
+
+    out = Path(args.out) if args.out else None
+    if args.check:
+        ok, report = generate.check(out)
+        print(report)
+        return 0 if ok else 1
+    r = generate.write(out)
+    print(f"generate: {r['variants']} variants, {r['written']} files written, {r['removed']} removed, {r['seconds']:.2f}s -> {r['out']}")
+    return 0
+
+
+def _cache(args):
+    from .kernel_cache import KernelCache
+
+    return KernelCache(Path(args.cache_dir) if args.cache_dir else None)
+
+
+def cmd_build(args) -> int:
+    from .codegen import build, generate
+    from .codegen.variants import variant_space
+    from .launch import LaunchConfig
+
+    ok, report = generate.check()
+    if not ok:
+        print(report)
+        return 1
+    variants = variant_space()
+    if args.variants:
+        wanted = set(args.variants)
+        variants = [v for v in variants if v.name in wanted or any(v.name.startswith(w) for w in wanted)]
+    targets = set(args.targets.split(",")) if args.targets else None
+    config = LaunchConfig.from_key(args.config) if args.config else None
+    cache = _cache(args)
+    print(f"build: {len(variants)} variants -> {cache.root}")
+    r = build.run(cache, jobs=args.jobs, targets=targets, variants=variants, config=config, verbose=args.verbose)
+    print()
+    print(build.summary_table(r["entries"]))
+    print(f"\nbuild: {len(r['entries'])} kernels ready in {r['wall_seconds']:.1f}s wall ({r['jobs']} jobs); graph {r['graph']}")
+    if args.report:
+        build.write_report(r["entries"], Path(args.report))
+    return 0
+
+
+def cmd_compile_entries(args) -> int:
+    from .codegen import build
+
+    build.compile_entries(_cache(args), args.entries)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import datetime
+    import platform
+
+    import torch
+
+    from . import bench, compiler
+
+    shapes = bench.default_shapes(args.shapes)
+    if args.max_tokens:
+        shapes = [s for s in shapes if s.n <= args.max_tokens]
+    results = []
+    for i, shape in enumerate(shapes):
+        r = bench.run_shape(shape, baselines=not args.no_baselines, replays=args.replays)
+        results.append(r)
+        print(f"[{i + 1}/{len(shapes)}] {shape.label}: {r.op['median_us']:.2f} us, {r.gbs:.0f} GB/s, {r.copy['median_us'] / r.op['median_us']:.1%} of copy", flush=True)
+    print()
+    print(bench.print_table(results))
+    host = bench.host_overhead_us(bench.Shape(n=1))
+    print(f"\nhost overhead per eager call (T=1, whole Python path): {host['median_us']:.2f} us (min {host['min_us']:.2f})")
+    meta = {
+        "device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(), "dsl": compiler.dsl_versions(),
+        "command": "python -m attn_prologue bench " + " ".join(args.argv), "host_overhead": host, "l2_bytes": bench.l2_bytes(),
+    }
+    if args.json:
+        bench.save(results, args.json, meta)
+    if args.png:
+        from . import plots
+
+        plots.bench_plot(results, args.png, meta)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="attn_prologue", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("list", help="cache formats and their byte layouts (and the variant space)")
+    s.add_argument("--head-dim", type=int, default=512, help="D used to show formats that take any D")
+    s.add_argument("--variants", action="store_true", help="also list every generated variant")
+    s.add_argument("--why", action="store_true", help="with --variants: why the other combinations are not generated")
+    s.set_defaults(fn=cmd_list)
+
+    s = sub.add_parser("generate", help="render every variant into generated/ (writes only what changed)")
+    s.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 with a diff if stale")
+    s.add_argument("--out", help="output folder (default: the package's generated/)")
+    s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("build", help="compile every variant for every target into the kernel cache (no GPU needed)")
+    s.add_argument("--cache-dir", help="kernel cache (default $ATTN_PROLOGUE_CACHE or ~/.cache/attn_prologue/kernels)")
+    s.add_argument("--jobs", "-j", type=int, help="parallel compile processes (default: CPU count)")
+    s.add_argument("--targets", help="comma-separated subset of sm_90a,sm_100a,sm_120a,sm_121a")
+    s.add_argument("--variants", nargs="*", help="variant names or name prefixes (default: all)")
+    s.add_argument("--config", help="launch config key, e.g. w4_pdl1_nc1 (default: each arch's default)")
+    s.add_argument("--report", help="write every entry's metadata as JSON here")
+    s.add_argument("--verbose", "-v", action="store_true")
+    s.set_defaults(fn=cmd_build)
+
+    s = sub.add_parser("bench", help="time the op against a copy of its bytes, torch eager and torch.compile (GPU)")
+    s.add_argument("--shapes", default="targets", choices=["targets", "indexer", "all", "quick"])
+    s.add_argument("--max-tokens", type=int)
+    s.add_argument("--replays", type=int, default=30)
+    s.add_argument("--no-baselines", action="store_true", help="skip torch eager / torch.compile of the reference")
+    s.add_argument("--json", help="write results here")
+    s.add_argument("--png", help="draw GB/s against token count here")
+    s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("compile-entries", help=argparse.SUPPRESS)
+    s.add_argument("--cache-dir")
+    s.add_argument("entries", nargs="+")
+    s.set_defaults(fn=cmd_compile_entries)
+
+    args = p.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""Typed errors. Every check on user input raises one of these before anything is written."""
+
+
+class AttnPrologueError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class UnsupportedError(AttnPrologueError, NotImplementedError):
+    """No generated variant covers the requested combination (the message lists what exists)."""
+
+
+class InputError(AttnPrologueError, ValueError):
+    """A tensor or scalar argument has the wrong dtype, shape, device, stride or alignment."""
+
+
+class ScratchError(AttnPrologueError, RuntimeError):
+    """The scratch pool cannot serve a request (too many tokens after locking, wrong key)."""

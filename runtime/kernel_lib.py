@@ -1,0 +1,185 @@
+"""Device-side building blocks shared by every generated kernel module.
+
+Generated modules import this module and the DSL, nothing else from the package. Everything here
+is arch- and format-independent: what runs on the H200 through these functions is literally what
+runs on SM100 and SM120. The arch-specific pieces (UE8M0 and E2M1 conversions) are rendered into
+each generated module from templates/arch/.
+
+All helpers are plain Python functions traced inside a kernel: they unroll over compile-time
+constants and never branch on run-time values (branches live in the kernels).
+
+Lane mapping of one row of D 16-bit values: vector j (8 values, 16 bytes) belongs to lane
+`j % LANES_PER_ROW` as its slot `j // LANES_PER_ROW`; a warp holds 32 / LANES_PER_ROW rows.
+Every 128-bit access of a warp is therefore contiguous (coalesced).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint8, Uint32
+
+VEC = 8  # 16-bit values per 128-bit access
+WARP = 32
+
+
+# ---- addressing -------------------------------------------------------------------------------
+def gmem_ptr(base_addr: Int64, byte_offset: Int64, dtype, align: int):
+    """A global-memory pointer at base + byte_offset (64-bit arithmetic) with a known alignment."""
+    return cute.make_ptr(dtype, base_addr + byte_offset, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def gmem_vector(base_addr: Int64, byte_offset: Int64, dtype, n: int, align: int):
+    """An n-element global tensor view at base + byte_offset."""
+    return cute.make_tensor(gmem_ptr(base_addr, byte_offset, dtype, align), cute.make_layout(n))
+
+
+def base_address(tensor: cute.Tensor) -> Int64:
+    return tensor.iterator.toint()
+
+
+def load_atom(dtype, bits: int, non_coherent: bool):
+    """A 128/64/32-bit global load; `non_coherent` takes the read-only path (ld.global.nc)."""
+    if non_coherent:
+        return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits, invariant=True)
+    return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+
+
+def store_atom(dtype, bits: int):
+    return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+
+
+def load_vector_into(frag: cute.Tensor, base_addr: Int64, byte_offset: Int64, dtype, non_coherent: bool):
+    """Copy one 128-bit vector from global memory into the register fragment `frag`."""
+    n = cute.size(frag)
+    src = gmem_vector(base_addr, byte_offset, dtype, n, 16)
+    cute.copy(load_atom(dtype, 128, non_coherent), src, frag)
+
+
+def store_vector(frag: cute.Tensor, base_addr: Int64, byte_offset: Int64, dtype, align: int):
+    """Copy a register fragment to global memory in one access of size(frag) * width bits."""
+    n = cute.size(frag)
+    dst = gmem_vector(base_addr, byte_offset, dtype, n, align)
+    cute.copy(store_atom(dtype, n * dtype.width), frag, dst)
+
+
+def register_vector(values, dtype):
+    """A register fragment holding a TensorSSA converted to dtype."""
+    frag = cute.make_rmem_tensor(VEC, dtype)
+    frag.store(values.to(dtype))
+    return frag
+
+
+def zero_vector(dtype):
+    frag = cute.make_rmem_tensor(VEC, dtype)
+    frag.fill(0)
+    return frag
+
+
+# ---- reductions -------------------------------------------------------------------------------
+def butterfly_sum(value: Float32, lanes: int) -> Float32:
+    """Sum over groups of `lanes` adjacent lanes (xor 1, 2, 4, ...); every lane gets the total."""
+    offset = 1
+    while offset < lanes:
+        value = value + cute.arch.shuffle_sync_bfly(value, offset)
+        offset *= 2
+    return value
+
+
+def butterfly_max(value: Float32, lanes: int) -> Float32:
+    """NaN-ignoring max (max.f32) over groups of `lanes` adjacent lanes."""
+    offset = 1
+    while offset < lanes:
+        value = cute.math.max(value, cute.arch.shuffle_sync_bfly(value, offset))
+        offset *= 2
+    return value
+
+
+def sum_of_squares(rows, lanes: int) -> Float32:
+    """sum(x^2) of one row: a fused multiply-add chain over this lane's values in slot order,
+    then a butterfly over the row's lanes (the reference's order="kernel" replays this)."""
+    acc = Float32(0.0)
+    for x in rows:
+        for i in range(VEC):
+            acc = cute.math.fma(x[i], x[i], acc)
+    return butterfly_sum(acc, lanes)
+
+
+def rms_inverse(sum_sq: Float32, head_dim: int, eps: Float32) -> Float32:
+    """1/sqrt(sum_sq / D + eps) with IEEE sqrt and IEEE division (no approximations)."""
+    mean = sum_sq / Float32(head_dim) + eps
+    return Float32(1.0) / cute.math.sqrt(mean)
+
+
+def abs_max(x) -> Float32:
+    """NaN-ignoring max |x_i| of one vector."""
+    m = Float32(0.0)
+    for i in range(VEC):
+        m = cute.math.max(m, cute.math.absf(x[i]))
+    return m
+
+
+# ---- RoPE -------------------------------------------------------------------------------------
+def rope_rotate(frag: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor):
+    """GPT-J rotation of the VEC/2 interleaved pairs in `frag` (float32 registers) in place:
+    even' = fma(e, c, -(o*s)), odd' = fma(e, s, o*c)."""
+    for i in range(VEC // 2):
+        e = frag[2 * i]
+        o = frag[2 * i + 1]
+        c = cos[i]
+        s = sin[i]
+        frag[2 * i] = cute.math.fma(e, c, -(o * s))
+        frag[2 * i + 1] = cute.math.fma(e, s, o * c)
+
+
+def load_cos_sin(cs_addr: Int64, position: Int64, pair: Int32, rope_dim: int, non_coherent: bool):
+    """cos and sin of pairs [pair, pair + 4) at `position` (two 128-bit loads of float32)."""
+    row = position * Int64(rope_dim * 4)
+    cos = cute.make_rmem_tensor(VEC // 2, Float32)
+    sin = cute.make_rmem_tensor(VEC // 2, Float32)
+    load_vector_into(cos, cs_addr, row + Int64(pair) * 4, Float32, non_coherent)
+    load_vector_into(sin, cs_addr, row + Int64(pair + rope_dim // 2) * 4, Float32, non_coherent)
+    return cos, sin
+
+
+# ---- bit tricks -------------------------------------------------------------------------------
+def f32_bits(x: Float32) -> Uint32:
+    t = cute.make_rmem_tensor(1, Float32)
+    t[0] = x
+    return cute.recast_tensor(t, Uint32)[0]
+
+
+def f32_from_bits(b: Uint32) -> Float32:
+    t = cute.make_rmem_tensor(1, Uint32)
+    t[0] = b
+    return cute.recast_tensor(t, Float32)[0]
+
+
+def pow2(e: Int32) -> Float32:
+    """2^e for e in [-126, 128] (128 gives +Inf), from the exponent bits."""
+    return f32_from_bits(Uint32(e + 127) << Uint32(23))
+
+
+def scale_multiplier(e: Int32) -> Float32:
+    """2^-e with e clamped to [-126, 126]: a normal float32 (differs only for Inf blocks)."""
+    return pow2(-cutlass.min(cutlass.max(e, Int32(-126)), Int32(126)))
+
+
+# ---- stores of converted values ---------------------------------------------------------------
+def e4m3_vector(values) -> cute.Tensor:
+    """8 float32 -> 8 e4m3 bytes (cvt.rn.satfinite.e4m3x2.f32 on every target)."""
+    frag = cute.make_rmem_tensor(VEC, cutlass.Float8E4M3FN)
+    frag.store(values.to(cutlass.Float8E4M3FN))
+    return frag
+
+
+def store_byte(addr: Int64, byte_offset: Int64, value):
+    cute.make_tensor(gmem_ptr(addr, byte_offset, Uint8, 1), cute.make_layout(1))[0] = Uint8(value)
+
+
+def store_u32(addr: Int64, byte_offset: Int64, value: Uint32):
+    cute.make_tensor(gmem_ptr(addr, byte_offset, Uint32, 4), cute.make_layout(1))[0] = value
+
+
+def store_f32(addr: Int64, byte_offset: Int64, value: Float32):
+    cute.make_tensor(gmem_ptr(addr, byte_offset, Float32, 4), cute.make_layout(1))[0] = value

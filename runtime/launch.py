@@ -1,0 +1,48 @@
+"""Launch configurations: the compile-time knobs of a kernel module, and per-arch defaults.
+
+A config is not part of a variant's identity; it is part of the kernel-cache key. Knobs that cost
+nothing at run time are run-time arguments instead (pad-head handling: `n_write_heads`; index
+checking: `checked`), so one compiled object serves every such choice.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True, order=True)
+class LaunchConfig:
+    warps_per_cta: int = 4  # each warp handles one pass (32 / lanes-per-row rows) of the op
+    pdl: bool = True  # programmatic dependent launch: griddepcontrol.wait / launch_dependents
+    non_coherent: bool = True  # read-only loads through ld.global.nc
+
+    def __post_init__(self):
+        if self.warps_per_cta not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"warps_per_cta must be a power of two in 1..32, got {self.warps_per_cta}")
+
+    @property
+    def key(self) -> str:
+        """Stable string form, used in kernel-cache keys and tuning databases."""
+        return f"w{self.warps_per_cta}_pdl{int(self.pdl)}_nc{int(self.non_coherent)}"
+
+    @classmethod
+    def from_key(cls, key: str) -> "LaunchConfig":
+        m = re.fullmatch(r"w(\d+)_pdl([01])_nc([01])", key)
+        if not m:
+            raise ValueError(f"not a launch-config key: {key!r}")
+        return cls(int(m.group(1)), bool(int(m.group(2))), bool(int(m.group(3))))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def all_configs() -> list[LaunchConfig]:
+    """Every config the template supports (the tuner prunes from these)."""
+    return [
+        LaunchConfig(w, pdl, nc) for w in (1, 2, 4, 8, 16, 32) for pdl in (True, False) for nc in (True, False)
+    ]

@@ -1,0 +1,39 @@
+"""PNG plots (matplotlib, optional extra `plot`): bench GB/s against token count, tuning sweeps."""
+
+from __future__ import annotations
+
+import collections
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def bench_plot(results, path: str, meta: dict) -> None:
+    """GB/s of the op against token count per shape family, with the copy ceiling of each point."""
+    plt = _pyplot()
+    series = collections.defaultdict(list)
+    for r in results:
+        s = r.shape
+        key = f"{s['cache_format']} D={s['head_dim']} H={s['h']} P={s['p']}" + (" zero-once" if s["zero_once"] else "")
+        series[key].append((s["n"], r.gbs, r.copy_gbs))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for i, (key, pts) in enumerate(sorted(series.items())):
+        pts.sort()
+        color = f"C{i % 10}"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=key)
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color=color, alpha=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per call (T)")
+    ax.set_ylabel("GB/s (op's minimum bytes / time)")
+    ax.set_title(f"attn_prologue on {meta.get('device', '?')} (dotted: device copy of the same bytes)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,1 @@
+"""Jinja templates of the kernel family (package data; rendered by attn_prologue.codegen)."""

@@ -1,0 +1,13 @@
+"""Shared test setup. GPU tests are marked `gpu` and skipped (never passed) without a CUDA device."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run tests/gpu/run_suite.sh on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

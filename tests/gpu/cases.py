@@ -1,0 +1,180 @@
+"""Input builders for GPU tests: fresh random data, poisoned outputs, and the reference result.
+
+Every case compares the kernel against `reference` (order="kernel") run on clones of the same
+poisoned outputs, so the comparison covers every byte: written records, scale bytes, pad bytes,
+untouched cache bytes (other blocks, skipped rows, page padding), q_out pad heads and rows >= N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from attn_prologue import reference
+from attn_prologue.formats import get_format
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Case:
+    n: int
+    h: int = 8
+    p: int = 8
+    head_dim: int = 512
+    rope_dim: int = 64
+    cache_format: str = "fp8_ds_mla"
+    dtype: str = "bf16"
+    block_size: int = 64
+    m: Optional[int] = None  # None: m = n
+    page_pad: int = 0  # extra bytes per block (page stride larger than the data)
+    kv_row_pad: int = 0  # kv is a row slice of a wider tensor with this many extra columns
+    extra_rows: int = 3  # q_out rows beyond N (must stay untouched)
+    negative_every: int = 0  # every k-th kv row gets slot -1
+    scale: float = 1.0  # input magnitude
+    zero_rows: int = 0  # first rows of kv (and q) are all zeros
+    num_blocks: Optional[int] = None
+    q_fp8: bool = False
+    op: str = "qkv"
+    seed: int = 0
+    max_pos: int = 4096
+    in_place: bool = False
+
+    def __str__(self):
+        return (f"{self.op}-{self.cache_format}-{self.dtype}-D{self.head_dim}-N{self.n}-H{self.h}P{self.p}"
+                f"-bs{self.block_size}" + (f"-M{self.m}" if self.m is not None else "") + ("-q8" if self.q_fp8 else ""))
+
+
+@dataclass
+class Inputs:
+    case: Case
+    q_in: Optional[torch.Tensor]
+    kv: torch.Tensor
+    q_out: Optional[torch.Tensor]
+    k_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    kv_scale: Optional[torch.Tensor] = None
+    q_scale: Optional[torch.Tensor] = None
+    norm_weight: Optional[torch.Tensor] = None
+    extra: dict = field(default_factory=dict)
+
+
+def make_inputs(c: Case, device="cuda") -> Inputs:
+    g = torch.Generator(device=device).manual_seed(c.seed)
+    dt = DTYPES[c.dtype]
+    fmt = get_format(c.cache_format)
+    m = c.n if c.m is None else c.m
+    d = c.head_dim
+    q_in = None
+    if c.op == "qkv":
+        q_in = (torch.randn(c.n, c.h, d, generator=g, device=device) * c.scale).to(dt)
+        if c.zero_rows:
+            q_in[: c.zero_rows] = 0
+    wide = torch.randn(max(c.n, m), d + c.kv_row_pad, generator=g, device=device) * c.scale
+    kv = wide.to(dt)[:, :d]
+    if c.zero_rows:
+        kv[: c.zero_rows] = 0
+    # one token per slot, shuffled over the cache, crossing block boundaries
+    bpt = fmt.bytes_per_token(d)
+    num_blocks = c.num_blocks or max(2, (m + c.block_size - 1) // c.block_size * 2 + 1)
+    block_bytes = c.block_size * bpt
+    page = block_bytes + c.page_pad
+    page = (page + 15) // 16 * 16
+    storage = torch.randint(0, 256, (num_blocks, page), generator=g, device=device, dtype=torch.uint8)
+    k_cache = storage[:, :block_bytes] if c.page_pad else storage  # a view: stride(0) > its width
+    slots = torch.randperm(num_blocks * c.block_size, generator=g, device=device)[:m].to(torch.int64)
+    if c.negative_every:
+        slots[:: c.negative_every] = -1
+    positions = torch.randint(0, c.max_pos, (max(c.n, m),), generator=g, device=device, dtype=torch.int64)
+    if c.op == "qkv":
+        positions = positions[: c.n].contiguous()
+    theta = torch.rand(c.max_pos, c.rope_dim // 2, generator=g, device=device) * 6.28
+    cos_sin = torch.cat((torch.cos(theta), torch.sin(theta)), dim=1).contiguous()
+    q_out = None
+    q_scale = None
+    if c.op == "qkv":
+        if c.in_place:
+            q_out = q_in
+        elif c.q_fp8:
+            q_out = torch.full((c.n + c.extra_rows, c.p, d), 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+            q_scale = torch.tensor([0.05], device=device)
+        else:
+            q_out = torch.full((c.n + c.extra_rows, c.p, d), float("nan"), dtype=dt, device=device)
+    kv_scale = torch.tensor([0.02], device=device) if fmt.needs_tensor_scale else None
+    norm_weight = (torch.rand(d, generator=g, device=device) + 0.5).to(dt) if c.op == "kv_norm" else None
+    return Inputs(c, q_in, kv, q_out, k_cache, slots, positions, cos_sin, kv_scale, q_scale, norm_weight,
+                  extra={"k_storage": storage})
+
+
+def clone_outputs(x: Inputs) -> Inputs:
+    """Same inputs, fresh copies of the outputs (the cache keeps its layout and strides)."""
+    storage = x.extra["k_storage"].clone()
+    k_cache = storage[:, : x.k_cache.shape[1]]
+    q_out = x.q_out.clone() if x.q_out is not None else None
+    q_in = x.q_in
+    if x.case.in_place:
+        q_in = q_out = x.q_in.clone()
+    return Inputs(x.case, q_in, x.kv, q_out, k_cache, x.slot_mapping, x.positions, x.cos_sin_cache,
+                  x.kv_scale, x.q_scale, x.norm_weight, extra={"k_storage": storage})
+
+
+def run_reference(x: Inputs, order="kernel", write_pad_heads=True) -> Inputs:
+    r = clone_outputs(x)
+    c = x.case
+    if c.op == "qkv":
+        reference.qnorm_rope_kv_insert(r.q_in, r.kv, r.q_out, r.k_cache, r.slot_mapping, r.positions, r.cos_sin_cache,
+                                       1e-6, c.block_size, c.cache_format, kv_scale=r.kv_scale, q_scale=r.q_scale,
+                                       write_pad_heads=write_pad_heads, order=order)
+    else:
+        reference.kv_rope_insert(r.kv, r.k_cache, r.slot_mapping, r.positions, r.cos_sin_cache, c.block_size,
+                                 c.cache_format, norm_weight=r.norm_weight, eps=1e-6, kv_scale=r.kv_scale, order=order)
+    return r
+
+
+def run_kernel(x: Inputs, write_pad_heads=True, **kw) -> Inputs:
+    from attn_prologue import ops
+
+    r = clone_outputs(x)
+    c = x.case
+    if c.op == "qkv":
+        ops.qnorm_rope_kv_insert(r.q_in, r.kv, r.q_out, r.k_cache, r.slot_mapping, r.positions, r.cos_sin_cache, 1e-6,
+                                 c.block_size, c.cache_format, kv_scale=r.kv_scale, q_scale=r.q_scale,
+                                 write_pad_heads=write_pad_heads, **kw)
+    else:
+        ops.kv_rope_insert(r.kv, r.k_cache, r.slot_mapping, r.positions, r.cos_sin_cache, c.block_size, c.cache_format,
+                           norm_weight=r.norm_weight, eps=1e-6, kv_scale=r.kv_scale, **kw)
+    return r
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def compare(got: Inputs, want: Inputs) -> dict:
+    """Byte-level comparison. Returns counts of differing bytes (all must be 0)."""
+    out = {}
+    out["cache_bytes_diff"] = int((got.extra["k_storage"] != want.extra["k_storage"]).sum())  # page padding too
+    if got.q_out is not None:
+        out["q_out_bytes_diff"] = int((raw(got.q_out) != raw(want.q_out)).sum())
+    return out
+
+
+def describe_mismatch(got: Inputs, want: Inputs) -> str:
+    lines = []
+    gc, wc = got.extra["k_storage"], want.extra["k_storage"]
+    bad = (gc != wc).nonzero()
+    if bad.numel():
+        lines.append(f"cache: {bad.shape[0]} bytes differ; first at {bad[:5].tolist()}: got {gc[tuple(bad[0])].item()} want {wc[tuple(bad[0])].item()}")
+    if got.q_out is not None:
+        gq, wq = got.q_out, want.q_out
+        if gq.dtype != torch.float8_e4m3fn:
+            diff = (gq.float() - wq.float()).abs()
+            diff = torch.where(torch.isnan(gq.float()) & torch.isnan(wq.float()), torch.zeros_like(diff), diff)
+            lines.append(f"q_out: max abs diff {diff.nan_to_num(1e9).max().item():.3g}, bytes differing {int((raw(gq) != raw(wq)).sum())}")
+        else:
+            lines.append(f"q_out fp8: bytes differing {int((raw(gq) != raw(wq)).sum())}")
+    return "; ".join(lines)

@@ -1,0 +1,735 @@
+"""Property tests of the reference (spec/op.md, spec/formats.md) against independent oracles:
+exact rational arithmetic (fractions.Fraction), brute-force nearest-value searches over hand-built
+value tables, float64 re-derivations of the math, and slow per-row Python loops for the paging."""
+
+from __future__ import annotations
+
+import math
+import random
+import struct
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from attn_prologue import codecs, numerics as nx, reference as ref
+from attn_prologue.formats import get_format
+
+SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+# D, R per format (the fixed-D formats at their D; the any-D formats at a small D)
+FMT_DR = {"fp8_ds_mla": (512, 64), "mxfp8": (512, 64), "fp8_token": (128, 64), "mxfp4": (128, 64),
+          "bf16": (128, 64), "fp8_tensor": (64, 32)}
+ALL_FORMATS = sorted(FMT_DR)
+
+
+# =============================================================================================
+# helpers: float32 bits and exact rounding
+# =============================================================================================
+def f32_from_bits(b: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", b & 0xFFFFFFFF))[0]
+
+
+def bits_from_f32(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def exact_ceil_log2(q: Fraction) -> int:
+    """The smallest integer k with q <= 2^k, for rational q > 0, in integer arithmetic."""
+    assert q > 0
+    k = q.numerator.bit_length() - q.denominator.bit_length()
+    while Fraction(2) ** k < q:
+        k += 1
+    while Fraction(2) ** (k - 1) >= q:
+        k -= 1
+    return k
+
+
+def round_to_f32(q: Fraction) -> float:
+    """Correct rounding (nearest, ties to even) of a rational to float32, with subnormals and
+    overflow to Inf. The sign of a zero result is handled by the caller."""
+    if q == 0:
+        return 0.0
+    sign = -1.0 if q < 0 else 1.0
+    a = abs(q)
+    k = exact_ceil_log2(a)  # 2^(k-1) < a <= 2^k
+    e = k - 1 if Fraction(2) ** k != a else k  # 2^e <= a < 2^(e+1)
+    quantum = Fraction(2) ** (max(e, -126) - 23)
+    n = round(a / quantum)  # Fraction.__round__: half to even
+    v = n * quantum
+    if v >= Fraction(2) ** 128:
+        return sign * math.inf
+    return sign * float(v)  # exact: v is a float32
+
+
+# Independent value tables, built from the bit layouts (not from torch's float8 / numerics.py).
+def _e4m3_table() -> list[tuple[float, int]]:
+    out = []
+    for b in range(0x7F):  # non-negative finite codes 0x00 .. 0x7E
+        ex, m = b >> 3, b & 7
+        v = m / 8 * 2.0**-6 if ex == 0 else (1 + m / 8) * 2.0 ** (ex - 7)
+        out.append((v, b))
+    return out
+
+
+E4M3_POS = _e4m3_table()
+E2M1_POS = [(0.0, 0), (0.5, 1), (1.0, 2), (1.5, 3), (2.0, 4), (3.0, 5), (4.0, 6), (6.0, 7)]
+
+
+def nearest_code(y: float, table, sign_bit: int) -> int:
+    """Nearest table value to y (saturating), ties to the even code; sign bit from signbit(y)."""
+    a = min(abs(y), table[-1][0])  # saturate (and keep huge |y| from losing the distances)
+    best = min(table, key=lambda vc: (abs(vc[0] - a), vc[1] & 1))
+    return best[1] | (sign_bit if math.copysign(1.0, y) < 0 else 0)
+
+
+# =============================================================================================
+# numerics: scalar conversions against brute-force oracles
+# =============================================================================================
+f32_finite = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(st.lists(f32_finite, min_size=1, max_size=64), st.integers(0, 2**31 - 1))
+def test_e4m3_bytes_is_nearest_even(values, seed):
+    g = torch.Generator().manual_seed(seed)
+    # hypothesis floats (edge-heavy) plus a random batch concentrated on the e4m3 range
+    rnd = (torch.randn(256, generator=g) * 2.0 ** torch.randint(-14, 10, (256,), generator=g))
+    y = torch.cat((torch.tensor(values, dtype=torch.float32), rnd.float()))
+    got = nx.e4m3_bytes(y).tolist()
+    want = [nearest_code(v, E4M3_POS, 0x80) for v in y.tolist()]
+    assert got == want
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(st.lists(f32_finite, min_size=1, max_size=64), st.integers(0, 2**31 - 1))
+def test_e2m1_codes_is_nearest_even(values, seed):
+    g = torch.Generator().manual_seed(seed)
+    rnd = torch.rand(256, generator=g) * 14 - 7  # [-7, 7)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    y = torch.cat((torch.tensor(values, dtype=torch.float32), rnd, ties, -ties))
+    got = nx.e2m1_codes(y).tolist()
+    want = [nearest_code(v, E2M1_POS, 0x8) for v in y.tolist()]
+    assert got == want
+
+
+# =============================================================================================
+# ceil_log2_exponent: exhaustive over bf16
+# =============================================================================================
+def test_ceil_log2_exhaustive_bf16():
+    """Every positive finite bf16 value r (bits 0x0001 .. 0x7F7F) and +Inf.
+
+    Oracle: math.frexp (r = f * 2^k, 0.5 <= f < 1): ceil(log2 r) = k - 1 if f == 0.5 else k.
+    Normal r: exact, saturated at 127 (like cvt.rp.satfinite.ue8m0x2.f32: r > 2^127, +Inf
+    included, gives 127, the largest finite UE8M0 exponent). Subnormal r (bits < 0x0080) are outside the documented domain ("positive
+    normal float32"): the bit trick gives -126 = max(exact, -126) for them; block_exponent never
+    passes one (its amax floors keep r >= 2^-126, see test_block_exponent_exhaustive_bf16)."""
+    bits = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16)
+    r = bits.view(torch.bfloat16).to(torch.float32)
+    got = nx.ceil_log2_exponent(r).tolist()
+    for b, v, e in zip(range(1, 0x7F80), r.tolist(), got):
+        f, k = math.frexp(v)
+        exact = k - 1 if f == 0.5 else k
+        if b >= 0x0080:
+            assert e == min(exact, 127), (hex(b), v, e, exact)
+        else:
+            assert e == max(exact, -126) == -126, (hex(b), v, e, exact)
+    assert len(got) == 0x7F7F and got[-1] == 127  # bf16 max (2 - 2^-7) * 2^127: exact 128
+    assert nx.ceil_log2_exponent(torch.tensor([math.inf])).item() == 127
+
+
+def test_ceil_log2_random_f32():
+    """Random positive normal float32 (all mantissa bits in play), oracle from the bits as ints."""
+    rng = random.Random(1)
+    bits = [rng.randrange(0x00800000, 0x7F800000) for _ in range(20000)]
+    bits += [(e << 23) | m for e in (1, 2, 126, 127, 128, 253, 254) for m in (0, 1, 0x7FFFFF)]
+    r = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    got = nx.ceil_log2_exponent(r).tolist()
+    for b, e in zip(bits, got):
+        ex, m = b >> 23, b & 0x7FFFFF
+        assert e == min(ex - 127 if m == 0 else ex - 126, 127), hex(b)
+
+
+def _positive_bf16_amax() -> torch.Tensor:
+    bits = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16)  # 0 and all positive finite
+    return bits.view(torch.bfloat16).to(torch.float32)
+
+
+@pytest.mark.parametrize("name", ["fp8_ds_mla", "mxfp8", "fp8_token", "mxfp4"])
+def test_block_exponent_exhaustive_bf16(name):
+    """e for every bf16 amax >= 0 equals the exact ceil(log2(max(amax, floor) / fp_max)) of the
+    rationals (clamped for mxfp4), although the code divides in float32 (or, for fp8_token,
+    multiplies by fl(1/448)). Why they agree: for fp_max = 448 = 1.75 * 2^8 or 6 = 1.5 * 2^2, a
+    float32 amax != fp_max * 2^k is at least 1/1.75 (resp. 1/1.5) quotient ulps away from 2^k, so
+    the rounded quotient never lands on the other side of 2^k; fl(1/448) = (1/448)(1 + 0.375 *
+    2^-23) moves a quotient of exactly 2^k by less than half an ulp."""
+    fmt = get_format(name)
+    amax = _positive_bf16_amax()
+    got = codecs.block_exponent(fmt, amax).tolist()
+    floor = Fraction(torch.tensor(fmt.amax_floor, dtype=torch.float32).item())
+    fp_max = Fraction(fmt.fp_max)
+    for a, e in zip(amax.tolist(), got):
+        want = exact_ceil_log2(max(Fraction(a), floor) / fp_max)
+        if name == "mxfp4":
+            want = min(max(want, -127), 127)
+        assert e == want, (name, a, e, want)
+    # the floors keep r = max(amax, floor) / fp_max a normal float32
+    assert min(got) == (-126 if name == "mxfp4" else -22)
+    # a block holding +Inf: saturated exponent 127 (see test_golden_vectors NaN/Inf tests)
+    assert codecs.block_exponent(fmt, torch.tensor([math.inf])).item() == 127
+
+
+# =============================================================================================
+# fma_f32: correctly rounded against exact rational arithmetic
+# =============================================================================================
+def _fma_cases() -> list[tuple[float, float, float]]:
+    rng = random.Random(12345)
+    f32 = lambda x: struct.unpack("<f", struct.pack("<f", x))[0]  # noqa: E731
+    cases = []
+
+    def rand_f32(lo_e, hi_e):
+        m = rng.getrandbits(23)
+        e = rng.randint(lo_e, hi_e)
+        s = rng.getrandbits(1) << 31
+        return f32_from_bits(s | ((e + 127) << 23) | m)
+
+    # 1. random finite bit patterns over the whole range
+    while len(cases) < 800:
+        a, b, c = (f32_from_bits(rng.getrandbits(32)) for _ in range(3))
+        if all(math.isfinite(v) for v in (a, b, c)):
+            cases.append((a, b, c))
+    # 2. comparable magnitudes (real cancellation and rounding work)
+    for _ in range(1200):
+        a, b = rand_f32(-20, 20), rand_f32(-20, 20)
+        p = f32(a * b)
+        kind = rng.randrange(4)
+        if kind == 0:
+            c = rand_f32(-40, 40)
+        elif kind == 1:
+            c = -p  # cancellation: the result is the rounding error of a * b
+        elif kind == 2:
+            c = f32(-p * (1 + rng.uniform(-2**-10, 2**-10)))
+        else:
+            c = f32(p * 2.0 ** rng.randint(-30, -20) * rng.choice((1, -1)))  # tiny c vs product
+        cases.append((a, b, c))
+    # 3. products exactly halfway between two float32, nudged by tiny c of either sign: a naive
+    #    (a*b + c in float64, then to float32) double-rounds these the wrong way.
+    for _ in range(600):
+        i, j = rng.randrange(1, 2048) | 1, rng.randrange(1, 2048) | 1
+        sh = rng.randint(-30, 30)
+        a = (1 + i * 2.0**-12) * 2.0**sh
+        b = (1 + j * 2.0**-12) * rng.choice((1.0, -1.0))  # product has bit 2^-24 set: a tie
+        c = rng.choice((0.0, 1.0, -1.0)) * 2.0 ** (sh - rng.randint(26, 100))
+        cases.append((f32(a), f32(b), f32(c)))
+    # 4. subnormal results and products
+    for _ in range(400):
+        a, b = rand_f32(-80, -60), rand_f32(-80, -60)
+        c = rand_f32(-126, -110) if rng.random() < 0.7 else f32_from_bits(rng.getrandbits(23))
+        cases.append((a, b, c))
+    # 5. near overflow
+    for _ in range(200):
+        a, b = rand_f32(60, 64), rand_f32(62, 64)
+        c = rand_f32(120, 127)
+        cases.append((a, b, c))
+    # 6. signed zeros
+    for a, b, c in ((0.0, 1.0, -0.0), (-0.0, 1.0, -0.0), (-0.0, 1.0, 0.0), (1.0, -1.0, 1.0),
+                    (2.0**-100, 2.0**-100, -0.0), (-(2.0**-100), 2.0**-100, 0.0),
+                    (-(2.0**-100), 2.0**-100, -0.0), (1.5, 2.0, -3.0)):
+        cases.append((a, b, c))
+    return cases
+
+
+def _fma_oracle(a: float, b: float, c: float) -> float:
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    if exact == 0:
+        prod_neg = (math.copysign(1, a) * math.copysign(1, b)) < 0
+        both_neg_zero = (a * b == 0) and prod_neg and c == 0 and math.copysign(1, c) < 0
+        return -0.0 if both_neg_zero else 0.0  # IEEE: exact zero sum is +0 under RN
+    r = round_to_f32(exact)
+    if r == 0:
+        return math.copysign(0.0, float(exact.numerator))  # underflow keeps the sign
+    return r
+
+
+def test_fma_f32_correctly_rounded():
+    cases = _fma_cases()
+    assert len(cases) > 3000
+    a, b, c = (torch.tensor([t[i] for t in cases], dtype=torch.float32) for i in range(3))
+    got = nx.fma_f32(a, b, c).view(torch.int32).tolist()
+    naive = (a.double() * b.double() + c.double()).float().view(torch.int32).tolist()
+    n_naive_wrong = 0
+    for (x, y, z), g, nv in zip(cases, got, naive):
+        want = bits_from_f32(_fma_oracle(x, y, z))
+        assert g & 0xFFFFFFFF == want, (x, y, z, hex(g & 0xFFFFFFFF), hex(want))
+        n_naive_wrong += (nv & 0xFFFFFFFF) != want
+    assert n_naive_wrong > 50  # the adversarial cases do defeat double rounding
+
+
+def test_fma_f32_non_finite():
+    inf, nan = math.inf, math.nan
+    a = torch.tensor([inf, inf, inf, 1e38, -1e38, nan, 1.0, 0.0])
+    b = torch.tensor([0.0, 1.0, 2.0, 1e38, 1e38, 1.0, 1.0, 5.0])
+    c = torch.tensor([1.0, -inf, 1.0, 0.0, 0.0, 1.0, nan, -inf])
+    r = nx.fma_f32(a, b, c).tolist()
+    assert math.isnan(r[0]) and math.isnan(r[1])  # inf * 0, inf - inf
+    assert r[2] == inf and r[3] == inf and r[4] == -inf  # overflow
+    assert math.isnan(r[5]) and math.isnan(r[6]) and r[7] == -inf
+
+
+# =============================================================================================
+# round trips: decode(encode(x)) error bounds
+# =============================================================================================
+@st.composite
+def token_values(draw, d: int, allow_big: bool = True):
+    """[M, d] float32 values that are bf16 numbers (what the op stores): random mantissas with a
+    per-row magnitude and a per-element dynamic range, zeros, and edge floats from hypothesis."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    m = draw(st.integers(1, 3))
+    log_scale = draw(st.integers(-30, 30))
+    spread = draw(st.integers(0, 24))
+    zero_frac = draw(st.sampled_from([0.0, 0.0, 0.3, 1.0]))
+    g = torch.Generator().manual_seed(seed)
+    mant = torch.randn(m, d, generator=g)
+    expo = torch.randint(-spread, 1, (m, d), generator=g).float()
+    x = mant * torch.exp2(expo + log_scale)
+    x = torch.where(torch.rand(m, d, generator=g) < zero_frac, torch.zeros_like(x), x)
+    # Beyond ~2.5e38 a block's decoded value can round up to 2^128 and overflow float32 on
+    # decode (see test_golden_vectors.py::test_decode_overflow_near_float32_max).
+    big = 2.0**127 * 1.5 if allow_big else 2.0**100  # 2.55e38 / 1.27e30, exact float32
+    specials = draw(st.lists(st.tuples(st.integers(0, m * d - 1),
+                                       st.floats(-big, big, width=32)), max_size=6))
+    flat = x.reshape(-1)
+    for i, v in specials:
+        flat[i] = v
+    return flat.reshape(m, d).to(torch.bfloat16).to(torch.float32)
+
+
+def _check_e4m3_block_round_trip(name: str, x: torch.Tensor):
+    fmt = get_format(name)
+    d = x.shape[1]
+    data, scale = codecs.encode_tokens(fmt, x)
+    dec, scales = codecs.decode_tokens(fmt, data, scale, d)
+    nq = fmt.dims(d)[0]
+    qb = fmt.quant_block
+    floor = torch.tensor(fmt.amax_floor, dtype=torch.float32).item()
+    for row in range(x.shape[0]):
+        for blk in range(nq // qb):
+            xs = x[row, blk * qb:(blk + 1) * qb].double()
+            ds = dec[row, blk * qb:(blk + 1) * qb].double()
+            s = scales[row, blk].item()
+            # the scale is a power of two, and the smallest one with max(amax, floor) <= 448 s
+            assert s > 0 and math.frexp(s)[0] == 0.5
+            amax = max(xs.abs().max().item(), floor)
+            assert amax <= 448 * s and amax > 224 * s, (amax, s)
+            # Per element: e4m3 keeps 3 mantissa bits, so a normal result (|x / s| >= 2^-6) is off
+            # by at most half an ulp = 2^-4 of its magnitude; a subnormal one (spacing 2^-9) by at
+            # most 2^-10 in element units, i.e. 2^-10 * s. x / s is exact (power of two).
+            err = (ds - xs).abs()
+            bound = torch.maximum(xs.abs() * 2.0**-4, torch.full_like(xs, 2.0**-10 * s))
+            assert (err <= bound).all(), (name, row, blk, (err - bound).max().item())
+            # and it is the nearest e4m3 value (independent table, ties to even)
+            el = data[row, blk * qb:(blk + 1) * qb].tolist()
+            want = [nearest_code(v / s, E4M3_POS, 0x80) for v in xs.tolist()]
+            assert el == want
+    # the bf16 rope tail of fp8_ds_mla round-trips exactly
+    if fmt.rope_tail_bf16:
+        assert torch.equal(dec[:, nq:], x[:, nq:])
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(token_values(512))
+def test_round_trip_fp8_ds_mla(x):
+    _check_e4m3_block_round_trip("fp8_ds_mla", x)
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(token_values(512))
+def test_round_trip_mxfp8(x):
+    _check_e4m3_block_round_trip("mxfp8", x)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(token_values(128))
+def test_round_trip_fp8_token(x):
+    _check_e4m3_block_round_trip("fp8_token", x)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(token_values(128))
+def test_round_trip_mxfp4(x):
+    fmt = get_format("mxfp4")
+    data, scale = codecs.encode_tokens(fmt, x)
+    dec, scales = codecs.decode_tokens(fmt, data, scale, 128)
+    codes = codecs.unpack_e2m1(data)
+    for row in range(x.shape[0]):
+        for blk in range(4):
+            xs = x[row, blk * 32:(blk + 1) * 32].double()
+            ds = dec[row, blk * 32:(blk + 1) * 32].double()
+            s = scales[row, blk].item()
+            amax = max(xs.abs().max().item(), 6 * 2.0**-126)
+            assert amax <= 6 * s and amax > 3 * s, (amax, s)
+            # e2m1 spacing is 0.5 on [0, 2], 1 on [2, 4], 2 on [4, 6]: the error of an element is
+            # at most half the spacing where it lies, in units of s.
+            y = xs.abs() / s
+            half_gap = torch.where(y <= 2, 0.25, torch.where(y <= 4, 0.5, 1.0))
+            assert ((ds - xs).abs() <= half_gap * s).all()
+            want = [nearest_code(v / s, E2M1_POS, 0x8) for v in xs.tolist()]
+            assert codes[row, blk * 32:(blk + 1) * 32].tolist() == want
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 4))
+def test_round_trip_bf16_exact(seed, m):
+    """Every bf16 value (any finite or infinite bit pattern) comes back bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-32768, 32768, (m, 96), generator=g, dtype=torch.int32).to(torch.int16)
+    bits[bits.view(torch.bfloat16).isnan()] = 0x3F80  # NaN payloads are not pinned (see golden)
+    x = bits.view(torch.bfloat16).to(torch.float32)
+    fmt = get_format("bf16")
+    data, scale = codecs.encode_tokens(fmt, x)
+    assert torch.equal(data.view(torch.int16), bits)  # little-endian bf16 bytes
+    dec, _ = codecs.decode_tokens(fmt, data, scale, 96)
+    assert torch.equal(dec.view(torch.int32), x.view(torch.int32))
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(token_values(64, allow_big=False), st.floats(2.0**-12, 2.0**12, width=32))
+def test_round_trip_fp8_tensor(x, sigma):
+    """y = fl(x / sigma) (rel. error 2^-24), e4m3 (2^-4 relative or 2^-10 absolute, as above),
+    decoded as fl(e4m3 * sigma) (rel. error 2^-24): bound max(2^-4 |x|, 2^-10 sigma) plus 2^-21
+    (|x| + sigma). |x / sigma| beyond 464 (448 + half the top spacing) saturates to +-448."""
+    fmt = get_format("fp8_tensor")
+    kv_scale = torch.tensor(sigma, dtype=torch.float32)
+    data, scale = codecs.encode_tokens(fmt, x, kv_scale)
+    dec, _ = codecs.decode_tokens(fmt, data, scale, 64, kv_scale)
+    xs, ds = x.double(), dec.double()
+    y = xs / sigma
+    big = y.abs() > 464
+    sat = torch.tensor(448 * sigma, dtype=torch.float32).double()
+    assert torch.equal(ds[big], torch.copysign(sat.expand_as(ds[big]), xs[big]))
+    assert torch.equal(data[big], torch.where(xs[big] > 0, 0x7E, 0xFE).to(torch.uint8))
+    bound = torch.maximum(xs.abs() * 2.0**-4, torch.full_like(xs, 2.0**-10 * sigma))
+    bound = bound + 2.0**-21 * (xs.abs() + sigma)
+    err = (ds - xs).abs()
+    assert (err[~big] <= bound[~big]).all()
+
+
+# =============================================================================================
+# paging: skipped rows and record placement, against a per-row Python loop
+# =============================================================================================
+def oracle_cache(before: torch.Tensor, name: str, d: int, bs: int, slots: list[int],
+                 data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Slow independent paging: one row at a time, byte offsets from spec/formats.md."""
+    db, sb = data.shape[1], scale.shape[1]
+    out = before.clone()
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        blk, o = slot // bs, slot % bs
+        for i in range(db):
+            out[blk, o * db + i] = data[t, i]
+        for i in range(sb):
+            out[blk, bs * db + o * sb + i] = scale[t, i]
+    return out
+
+
+def make_cos_sin(max_pos: int, r: int, base: float = 10000.0) -> torch.Tensor:
+    inv = base ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat((ang.cos(), ang.sin()), dim=1).float()
+
+
+@st.composite
+def paging_case(draw):
+    name = draw(st.sampled_from(ALL_FORMATS))
+    bs = draw(st.integers(1, 16))
+    nblocks = draw(st.integers(1, 5))
+    pad = draw(st.integers(0, 48))
+    strided = draw(st.booleans())
+    n = draw(st.integers(0, 10))
+    m = draw(st.integers(0, n))
+    nslots = nblocks * bs
+    pool = draw(st.permutations(list(range(nslots))))
+    slots = []
+    for t in range(m):
+        if t < len(pool) and draw(st.booleans()):
+            slots.append(pool[t])
+        else:
+            slots.append(-draw(st.integers(1, 2**40)))  # any negative slot means skip
+    seed = draw(st.integers(0, 2**31 - 1))
+    return name, bs, nblocks, pad, strided, n, slots, seed
+
+
+def _make_cache(name, d, bs, nblocks, pad, strided, g):
+    fmt = get_format(name)
+    used = bs * fmt.bytes_per_token(d)
+    base = torch.randint(0, 256, (nblocks, used + pad), generator=g, dtype=torch.uint8)
+    cache = base[:, :used] if strided else base
+    return base, cache
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(paging_case(), st.sampled_from(["kv_rope_insert", "qnorm_rope_kv_insert"]))
+def test_paging_and_skipped_rows(case, op):
+    name, bs, nblocks, pad, strided, n, slots, seed = case
+    d, r = FMT_DR[name]
+    g = torch.Generator().manual_seed(seed)
+    base, cache = _make_cache(name, d, bs, nblocks, pad, strided, g)
+    before = base.clone()
+    # kv as a slice of a wider projection: row stride > D
+    kv = (torch.randn(n, d + 24, generator=g) * 3).to(torch.bfloat16)[:, :d]
+    positions = torch.randint(0, 64, (n,), generator=g)
+    cs = make_cos_sin(64, r)
+    slot_t = torch.tensor(slots, dtype=torch.int64)
+    kv_scale = torch.tensor(0.125) if name == "fp8_tensor" else None
+    if op == "kv_rope_insert":
+        ref.kv_rope_insert(kv, cache, slot_t, positions, cs, bs, name, kv_scale=kv_scale)
+    else:
+        h = 2
+        q_in = torch.randn(n, h, d, generator=g).to(torch.bfloat16)
+        q_out = torch.full((n, h, d), math.nan, dtype=torch.bfloat16)
+        ref.qnorm_rope_kv_insert(q_in, kv, q_out, cache, slot_t, positions, cs, 1e-6, bs, name,
+                                 kv_scale=kv_scale)
+    m = len(slots)
+    vals = ref.kv_values(kv[:m], positions[:m], cs)
+    data, scale = codecs.encode_tokens(get_format(name), vals, kv_scale)
+    want = oracle_cache(before, name, d, bs, slots, data, scale)
+    assert torch.equal(base, want)
+    if any(s >= 0 for s in slots):
+        assert not torch.equal(base, before)  # random records over random poison
+
+
+# =============================================================================================
+# qnorm_rope_kv_insert: the op contract against a float64 oracle
+# =============================================================================================
+def q_oracle(q_in, positions, cs, eps, r, apply_q_norm=True) -> torch.Tensor:
+    x = q_in.double()
+    if apply_q_norm:
+        x = x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps)
+    return rope_oracle(x, positions, cs, r, head_axis=True)
+
+
+def rope_oracle(x, positions, cs, r, head_axis=False) -> torch.Tensor:
+    d = x.shape[-1]
+    c = cs[positions, : r // 2].double()
+    s = cs[positions, r // 2:r].double()
+    if head_axis:
+        c, s = c[:, None, :], s[:, None, :]
+    out = x.clone()
+    e, o = x[..., d - r::2], x[..., d - r + 1::2]
+    out[..., d - r::2] = e * c - o * s
+    out[..., d - r + 1::2] = e * s + o * c
+    return out
+
+
+def ulp_of(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One ulp of dtype at |y| (float64 in, float64 out), subnormals included."""
+    mant_bits, min_exp = (7, -126) if dtype == torch.bfloat16 else (10, -14)
+    _, e = torch.frexp(y.abs())  # |y| = f * 2^e, 0.5 <= f < 1: floor(log2 |y|) = e - 1
+    e = torch.where(y == 0, torch.full_like(e, min_exp), torch.clamp(e - 1, min=min_exp))
+    return torch.exp2((e - mant_bits).double())
+
+
+def assert_close_ulp(got: torch.Tensor, want64: torch.Tensor, dtype, atol: torch.Tensor | float):
+    """|got - want| <= 1 ulp(want) + atol: the fp32 result is within atol of want (float64), then
+    one rounding to dtype (half an ulp; one ulp covers a rounding-boundary crossing)."""
+    err = (got.double() - want64).abs()
+    bound = ulp_of(want64, dtype) + atol
+    assert torch.isfinite(got).all()
+    assert (err <= bound).all(), (err - bound).max().item()
+
+
+def ordered(bits16: torch.Tensor) -> torch.Tensor:
+    """Sign-magnitude 16-bit float bits -> integers in value order (+0 and -0 both 0)."""
+    b = bits16.to(torch.int32)
+    mag = b & 0x7FFF
+    return torch.where(b < 0, -mag, mag)
+
+
+@st.composite
+def op_case(draw):
+    name = draw(st.sampled_from(ALL_FORMATS))
+    n = draw(st.integers(1, 6))
+    extra_rows = draw(st.integers(0, 3))
+    h = draw(st.integers(1, 4))
+    p = h + draw(st.sampled_from([0, 0, 1, 3]))
+    m = draw(st.integers(0, n))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
+    order = draw(st.sampled_from(["kernel", "eager"]))
+    apply_q_norm = draw(st.sampled_from([True, True, False]))
+    log_scale = draw(st.integers(-6, 6))
+    eps = draw(st.sampled_from([1e-6, 1e-5]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return name, n, extra_rows, h, p, m, dtype, order, apply_q_norm, log_scale, eps, seed
+
+
+def run_op(name, n, extra_rows, h, p, m, dtype, order, apply_q_norm, log_scale, eps, seed,
+           bs=4, max_pos=4096):
+    d, r = FMT_DR[name]
+    g = torch.Generator().manual_seed(seed)
+    q_in = (torch.randn(n, h, d, generator=g) * 2.0**log_scale).to(dtype)
+    if n > 1:
+        q_in[1, 0] = 0  # an all-zero head: rsqrt(eps) * 0 = 0
+    kv = (torch.randn(n, d + 16, generator=g) * 2.0**log_scale).to(dtype)[:, :d]
+    positions = torch.randint(0, max_pos, (n,), generator=g)
+    cs = make_cos_sin(max_pos, r)
+    nblocks = max(1, (n + bs - 1) // bs)
+    slots = torch.randperm(nblocks * bs, generator=g)[:m]
+    if m > 1:
+        slots[0] = -1
+    q_out = torch.full((n + extra_rows, p, d), math.nan, dtype=dtype)
+    q_out[n:].view(torch.int16).random_(generator=g)  # rows beyond N: random poison
+    base, cache = _make_cache(name, d, bs, nblocks, 8, True, g)
+    q_before, cache_before = q_out.clone(), base.clone()
+    kv_scale = torch.tensor(0.0625) if name == "fp8_tensor" else None
+    ref.qnorm_rope_kv_insert(q_in, kv, q_out, cache, slots, positions, cs, eps, bs, name,
+                             kv_scale=kv_scale, apply_q_norm=apply_q_norm, order=order)
+    return dict(q_in=q_in, kv=kv, positions=positions, cs=cs, slots=slots, q_out=q_out,
+                base=base, q_before=q_before, cache_before=cache_before, kv_scale=kv_scale,
+                d=d, r=r, bs=bs)
+
+
+@settings(max_examples=50, **SETTINGS)
+@given(op_case())
+def test_qnorm_rope_kv_insert_contract(case):
+    name, n, extra_rows, h, p, m, dtype, order, apply_q_norm, log_scale, eps, seed = case
+    o = run_op(*case)
+    q_out, d, r = o["q_out"], o["d"], o["r"]
+    # rows beyond N: untouched, bit for bit
+    assert torch.equal(q_out[n:].view(torch.int16), o["q_before"][n:].view(torch.int16))
+    # pad heads [H, P) of rows < N: exactly the zero bit pattern
+    assert (q_out[:n, h:].view(torch.int16) == 0).all()
+    # live heads of ALL N rows (M <= N: DP padding still processes Q) vs the float64 oracle
+    want = q_oracle(o["q_in"], o["positions"], o["cs"], eps, r, apply_q_norm)
+    atol = 2.0**-18 if apply_q_norm else 2.0**-18 * 2.0**log_scale
+    assert_close_ulp(q_out[:n, :h], want, dtype, atol)
+    # cache: rows t < M with slot >= 0 only, at their records (per-row oracle loop)
+    slots = o["slots"].tolist()
+    vals = ref.kv_values(o["kv"][: len(slots)], o["positions"][: len(slots)], o["cs"], order=order)
+    data, scale = codecs.encode_tokens(get_format(name), vals, o["kv_scale"])
+    assert torch.equal(o["base"], oracle_cache(o["cache_before"], name, d, o["bs"], slots, data,
+                                               scale))
+    # the values the cache stores: RoPE of kv rounded through the I/O dtype (float64 oracle)
+    if len(slots):
+        kv_want = rope_oracle(o["kv"][: len(slots)].double(), o["positions"][: len(slots)],
+                              o["cs"], r)
+        assert_close_ulp(vals, kv_want, dtype, 2.0**-18 * 2.0**log_scale)
+
+
+def test_dp_padding_explicit():
+    """M = 1 < N = 5: Q for all 5 rows, KV for row 0 only."""
+    case = ("fp8_ds_mla", 5, 2, 3, 4, 1, torch.bfloat16, "kernel", True, 0, 1e-6, 11)
+    o = run_op(*case)
+    want = q_oracle(o["q_in"], o["positions"], o["cs"], 1e-6, 64)
+    assert_close_ulp(o["q_out"][:5, :3], want, torch.bfloat16, 2.0**-18)
+    assert (o["q_out"][:5, 3:].view(torch.int16) == 0).all()
+    assert torch.equal(o["q_out"][5:].view(torch.int16), o["q_before"][5:].view(torch.int16))
+    slot = o["slots"][0].item()
+    blk, off = divmod(slot, 4)
+    changed = (o["base"] != o["cache_before"]).nonzero()
+    assert changed.numel() > 0
+    assert (changed[:, 0] == blk).all()  # only row 0's block was written
+    cols = changed[:, 1]
+    in_data = (cols >= off * 576) & (cols < (off + 1) * 576)
+    in_scale = (cols >= 4 * 576 + off * 8) & (cols < 4 * 576 + (off + 1) * 8)
+    assert (in_data | in_scale).all()
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_n_zero_is_noop(name):
+    d, r = FMT_DR[name]
+    g = torch.Generator().manual_seed(3)
+    q_out = torch.full((3, 4, d), math.nan, dtype=torch.bfloat16)
+    base, cache = _make_cache(name, d, 2, 2, 8, False, g)
+    q_before, cache_before = q_out.clone(), base.clone()
+    kv_scale = torch.tensor(1.0) if name == "fp8_tensor" else None
+    ref.qnorm_rope_kv_insert(torch.empty(0, 2, d, dtype=torch.bfloat16),
+                             torch.empty(0, d, dtype=torch.bfloat16), q_out, cache,
+                             torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
+                             make_cos_sin(8, r), 1e-6, 2, name, kv_scale=kv_scale)
+    assert torch.equal(q_out.view(torch.int16), q_before.view(torch.int16))
+    assert torch.equal(base, cache_before)
+    ref.kv_rope_insert(torch.empty(0, d, dtype=torch.bfloat16), cache,
+                       torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
+                       make_cos_sin(8, r), 2, name, kv_scale=kv_scale)
+    assert torch.equal(base, cache_before)
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(st.sampled_from(["fp8_ds_mla", "bf16", "fp8_token"]), st.integers(1, 6), st.integers(1, 4),
+       st.sampled_from([torch.bfloat16, torch.float16]), st.integers(-4, 4),
+       st.integers(0, 2**31 - 1))
+def test_kernel_vs_eager_order(name, n, h, dtype, log_scale, seed):
+    """Both orders agree within 1 ulp of the I/O dtype on q_out and 1 bf16 ulp on the stored
+    16-bit values (the fp8_ds_mla rope tail; every value of the bf16 cache format)."""
+    outs = {}
+    for order in ("kernel", "eager"):
+        outs[order] = run_op(name, n, 1, h, h + 1, n, dtype, order, True, log_scale, 1e-6, seed)
+    qa, qb = (outs[k]["q_out"][:n].view(torch.int16) for k in ("kernel", "eager"))
+    assert (ordered(qa) - ordered(qb)).abs().max().item() <= 1
+    ca, cb = outs["kernel"]["base"], outs["eager"]["base"]
+    d = FMT_DR[name][0]
+    slots = [s for s in outs["kernel"]["slots"].tolist() if s >= 0]
+    bs = 4
+    for slot in slots:
+        blk, o = divmod(slot, bs)
+        if name == "fp8_ds_mla":
+            lo, hi = o * 576 + 448, o * 576 + 576
+        elif name == "bf16":
+            lo, hi = o * 2 * d, (o + 1) * 2 * d
+        else:
+            continue
+        ta = ca[blk, lo:hi].contiguous().view(torch.int16)
+        tb = cb[blk, lo:hi].contiguous().view(torch.int16)
+        assert (ordered(ta) - ordered(tb)).abs().max().item() <= 1
+
+
+def test_kernel_vs_eager_do_differ_somewhere():
+    """Sanity for the test above: the two orders are not trivially identical (otherwise the
+    1-ulp test would be vacuous)."""
+    g = torch.Generator().manual_seed(0)
+    q_in = torch.randn(256, 16, 512, generator=g).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (256,), generator=g)
+    cs = make_cos_sin(4096, 64)
+    a = ref.q_values(q_in, pos, cs, 1e-6, order="kernel")
+    b = ref.q_values(q_in, pos, cs, 1e-6, order="eager")
+    assert (a != b).sum().item() > 1000  # float32 results differ often ...
+    qa, qb = a.to(torch.bfloat16).view(torch.int16), b.to(torch.bfloat16).view(torch.int16)
+    assert (qa != qb).sum().item() > 0  # ... and sometimes across a bf16 rounding boundary
+    assert (ordered(qa) - ordered(qb)).abs().max().item() == 1
+
+
+@pytest.mark.parametrize("name", ["fp8_ds_mla", "mxfp4"])
+def test_fp16_io(name):
+    """fp16 q_in / kv / q_out: q_out is fp16 within 1 fp16 ulp of the float64 oracle; the cache
+    stores RoPE(kv) rounded through fp16 (then bf16 for the ds_mla tail)."""
+    o = run_op(name, 6, 1, 3, 4, 6, torch.float16, "kernel", True, 0, 1e-6, 5)
+    assert o["q_out"].dtype == torch.float16
+    want = q_oracle(o["q_in"], o["positions"], o["cs"], 1e-6, o["r"])
+    assert_close_ulp(o["q_out"][:6, :3], want, torch.float16, 2.0**-18)
+    assert (o["q_out"][:6, 3:].view(torch.int16) == 0).all()
+    slots = o["slots"].tolist()
+    live = [t for t, s in enumerate(slots) if s >= 0]
+    dec, _ = codecs.decode_cache(o["base"], get_format(name), o["d"], 4,
+                                 torch.tensor([slots[t] for t in live]))
+    kv_want = rope_oracle(o["kv"][live].double(), o["positions"][live], o["cs"], o["r"])
+    if name == "fp8_ds_mla":
+        # bf16 tail of the fp16-rounded value: within 1 fp16 ulp + 1 bf16 ulp
+        tail = dec[:, 448:].double()
+        tw = kv_want[:, 448:]
+        assert ((tail - tw).abs() <= ulp_of(tw, torch.float16) + ulp_of(tw, torch.bfloat16)
+                + 2.0**-18).all()
+        nope_err = (dec[:, :448].double() - kv_want[:, :448]).abs()
+        # v = fp16(w) is within 2^-10 |w| (+ atol) of w; e4m3 adds max(2^-4 |v|, 2^-10 s) with the
+        # block scale s < amax(v) / 224: total <= (2^-4 + 2^-9) |w| + 2^-10 s
+        blk_amax = kv_want[:, :448].abs().reshape(-1, 7, 64).amax(-1, keepdim=True)
+        s = (blk_amax * (1 + 2.0**-9) / 224).expand(-1, -1, 64).reshape(-1, 448)
+        bound = kv_want[:, :448].abs() * (2.0**-4 + 2.0**-9) + 2.0**-10 * s + 2.0**-18
+        assert (nope_err <= bound).all()
+    else:
+        # e2m1: at most half a gap <= 1 * s, with s < amax(v) / 3; plus the fp16 rounding of v
+        blk_amax = kv_want.abs().reshape(-1, 4, 32).amax(-1, keepdim=True)
+        s = (blk_amax * (1 + 2.0**-9) / 3).expand(-1, -1, 32).reshape(-1, 128)
+        bound = s + ulp_of(kv_want, torch.float16) + 2.0**-18
+        assert ((dec.double() - kv_want).abs() <= bound).all()
