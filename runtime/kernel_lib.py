@@ -76,6 +76,12 @@ def zero_vector(dtype):
     return frag
 
 
+def zero_f32_vector(n: int):
+    frag = cute.make_rmem_tensor(n, Float32)
+    frag.fill(0.0)
+    return frag
+
+
 # ---- reductions -------------------------------------------------------------------------------
 def butterfly_sum(value: Float32, lanes: int) -> Float32:
     """Sum over groups of `lanes` adjacent lanes (xor 1, 2, 4, ...); every lane gets the total."""
@@ -132,14 +138,11 @@ def rope_rotate(frag: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor):
         frag[2 * i + 1] = cute.math.fma(e, s, o * c)
 
 
-def load_cos_sin(cs_addr: Int64, position: Int64, pair: Int32, rope_dim: int, non_coherent: bool):
+def load_cos_sin_into(cos: cute.Tensor, sin: cute.Tensor, cs_addr: Int64, position: Int64, pair: Int32, rope_dim: int, non_coherent: bool):
     """cos and sin of pairs [pair, pair + 4) at `position` (two 128-bit loads of float32)."""
     row = position * Int64(rope_dim * 4)
-    cos = cute.make_rmem_tensor(VEC // 2, Float32)
-    sin = cute.make_rmem_tensor(VEC // 2, Float32)
     load_vector_into(cos, cs_addr, row + Int64(pair) * 4, Float32, non_coherent)
     load_vector_into(sin, cs_addr, row + Int64(pair + rope_dim // 2) * 4, Float32, non_coherent)
-    return cos, sin
 
 
 # ---- bit tricks -------------------------------------------------------------------------------

@@ -237,7 +237,11 @@ def check_kv(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, ca
     return kv.device, io
 
 
-# ---- one-call entry points (bind + launch; binds are memoized) ------------------------------------
+# ---- one-call entry points ------------------------------------------------------------------------
+# The hot path: a handful of integer comparisons that TVM-FFI cannot do (cross-tensor sizes), a dict
+# hit for the bound kernel, one call. TVM-FFI itself checks dtypes, ranks, D, strides, 16-byte
+# alignment and devices before launching; when it (or the cheap checks) refuse a call, the full
+# Python validation runs to raise a typed InputError that names the problem.
 _bound: dict[tuple, Kernel] = {}
 
 
@@ -254,23 +258,58 @@ def kernel_for(device: torch.device, *, op: str, q_out: str, head_dim: int, rope
     return k
 
 
+_fast_qkv: dict[tuple, tuple] = {}
+
+
+def _bind_qkv(q_in, cos_sin_cache, cache_format, fp8_out, config, conversions):
+    device = q_in.device
+    k = kernel_for(device, op="qkv", q_out="fp8" if fp8_out else "io", head_dim=q_in.shape[2],
+                   rope_dim=cos_sin_cache.shape[1], cache_format=cache_format, io=IO_DTYPES[q_in.dtype],
+                   config=config, conversions=conversions)
+    bpt = get_format(cache_format).bytes_per_token(q_in.shape[2])
+    return k.fn, errors_buffer(device), bpt, get_format(cache_format).needs_tensor_scale
+
+
 def qnorm_rope_kv_insert(
     q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format="fp8_ds_mla",
     *, kv_scale=None, q_scale=None, write_pad_heads=True, checked=False, config=None, conversions=None,
 ) -> None:
     """Validate, pick the variant for this device and launch it (CUDA tensors)."""
-    device, io, h, p = check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size,
-                                 cache_format, q_scale=q_scale, kv_scale=kv_scale)
-    if q_in.shape[0] == 0:
+    try:
+        n, h, d = q_in.shape
+        p = q_out.shape[1]
+        key = (q_in.get_device(), q_in.dtype, cache_format, d, cos_sin_cache.shape[1], q_scale is not None, config, conversions)
+        bound = _fast_qkv[key]
+        fn, errors, bpt, needs_scale = bound
+        ok = (
+            kv.shape[0] == n and positions.shape[0] == n and slot_mapping.shape[0] <= n and q_out.shape[0] >= n
+            and p >= h and block_size > 0 and k_cache.shape[1] >= block_size * bpt
+            and (kv_scale is not None) == needs_scale and (q_out.data_ptr() != q_in.data_ptr() or p == h)
+        )
+    except (KeyError, AttributeError, TypeError, ValueError, IndexError):
+        ok = False
+    if not ok:
+        check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
+                  q_scale=q_scale, kv_scale=kv_scale)
+        fn, errors, bpt, needs_scale = _fast_qkv.setdefault(key, _bind_qkv(q_in, cos_sin_cache, cache_format, q_scale is not None, config, conversions))
+    if n == 0:
         return
-    k = kernel_for(device, op="qkv", q_out="fp8" if q_scale is not None else "io", head_dim=q_in.shape[2],
-                   rope_dim=cos_sin_cache.shape[1], cache_format=cache_format, io=io, config=config, conversions=conversions)
-    k(
-        q_in=q_in, kv=kv, q_out=q_out.view(torch.uint8) if q_scale is not None else q_out, k_cache=k_cache,
-        slot_mapping=slot_mapping, positions=positions, cos_sin_cache=cos_sin_cache, kv_scale=kv_scale, q_scale=q_scale,
-        errors=errors_buffer(device), eps=float(eps), block_size=block_size, n_write_heads=p if write_pad_heads else h,
-        checked=int(bool(checked)),
-    )
+    out = q_out if q_scale is None else q_out.view(torch.uint8)
+    nwh = p if write_pad_heads else h
+    try:
+        if kv_scale is None:
+            if q_scale is None:
+                fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, nwh, 1 if checked else 0)
+            else:
+                fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, nwh, 1 if checked else 0)
+        elif q_scale is None:
+            fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, errors, eps, block_size, nwh, 1 if checked else 0)
+        else:
+            fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale, errors, eps, block_size, nwh, 1 if checked else 0)
+    except Exception as exc:  # TVM-FFI refused an argument before launching: say precisely which
+        check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
+                  q_scale=q_scale, kv_scale=kv_scale)
+        raise InputError(f"kernel argument check failed: {exc}") from exc
 
 
 def kv_rope_insert(
@@ -289,6 +328,3 @@ def kv_rope_insert(
         cos_sin_cache=cos_sin_cache, kv_scale=kv_scale, errors=errors_buffer(device), eps=float(eps),
         block_size=block_size, checked=int(bool(checked)),
     )
-
-
-__all__ = ["Kernel", "qnorm_rope_kv_insert", "kv_rope_insert", "UnsupportedError", "InputError"]

@@ -137,16 +137,28 @@ class Kernel:
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def rotate_tail(self, ys, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32):
+    def load_tail_cos_sin(self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32):
+        """cos/sin of this lane's pairs in [D - R, D) (zeros elsewhere), issued as early as possible."""
+        tables = []
+        for s in range_constexpr(SLOTS):
+            cos = kl.zero_f32_vector(VEC // 2)
+            sin = kl.zero_f32_vector(VEC // 2)
+            if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
+                j = s * LANES_PER_ROW + sub
+                if ok & (j >= TAIL_VECTOR):
+                    kl.load_cos_sin_into(cos, sin, kl.base_address(cos_sin_cache), position, (j - TAIL_VECTOR) * (VEC // 2), ROPE_DIM, self.cfg.non_coherent)
+            tables.append((cos, sin))
+        return tables
+
+    @cute.jit
+    def rotate_tail(self, ys, tables, ok, sub: Int32):
         """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set."""
         for s in range_constexpr(SLOTS):
             if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
                 j = s * LANES_PER_ROW + sub
                 if ok & (j >= TAIL_VECTOR):
-                    cos, sin = kl.load_cos_sin(
-                        kl.base_address(cos_sin_cache), position, (j - TAIL_VECTOR) * (VEC // 2), ROPE_DIM, self.cfg.non_coherent
-                    )
-                    kl.rope_rotate(ys[s], cos, sin)
+                    kl.rope_rotate(ys[s], tables[s][0], tables[s][1])
+
 
     @cute.jit
     def kv_pass(
@@ -162,14 +174,20 @@ class Kernel:
         block_size: Int32,
         checked: Int32,
     ):
-        """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row."""
+        """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. The row is
+        loaded together with its slot and position (not after them), then cos/sin."""
         sub = lane % LANES_PER_ROW
         r = p * ROWS_PER_PASS + lane // LANES_PER_ROW
+        valid = r < slot_mapping.shape[0]
         slot = Int64(-1)
         position = Int64(0)
-        if r < slot_mapping.shape[0]:
+        src = kl.base_address(kv) + Int64(r) * kv.stride[0] * 2
+        frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
+        if valid:
             slot = Int64(slot_mapping[r])
             position = Int64(positions[r])
+            for s in range_constexpr(SLOTS):
+                kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
         ok = slot >= 0
         if checked != 0:
             capacity = Int64(k_cache.shape[0]) * Int64(block_size)
@@ -177,15 +195,11 @@ class Kernel:
             if bad & (sub == 0):
                 cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(errors), Int64(0), Int32, 4), Int32(1))
             ok = ok & cutlass.not_(bad)
-        src = kl.base_address(kv) + Int64(r) * kv.stride[0] * 2
-        frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
-        if ok:
-            for s in range_constexpr(SLOTS):
-                kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
+        tables = self.load_tail_cos_sin(ok, position, cos_sin_cache, sub)
         ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
         for s in range_constexpr(SLOTS):
             ys[s].store(frags[s].load().to(Float32))
-        self.rotate_tail(ys, ok, position, cos_sin_cache, sub)
+        self.rotate_tail(ys, tables, ok, sub)
         xr = [ys[s].load().to(IO_DTYPE).to(Float32) for s in range(SLOTS)]  # round through the I/O dtype
         block = slot // Int64(block_size)
         page = kl.base_address(k_cache) + block * k_cache.stride[0]
