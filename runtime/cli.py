@@ -110,7 +110,8 @@ def cmd_bench(args) -> int:
     print()
     print(bench.print_table(results))
     host = bench.host_overhead_us(bench.Shape(n=1))
-    print(f"\nhost overhead per eager call (T=1, whole Python path): {host['median_us']:.2f} us (min {host['min_us']:.2f})")
+    print(f"\nhost overhead per eager call (T=1, whole Python path): {host['median_us']:.2f} us; "
+          f"bare TVM-FFI call {host['bare_tvm_ffi_call_us']:.2f} us; through torch.ops: {host['torch_ops_call_us']}")
     meta = {
         "device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(), "dsl": compiler.dsl_versions(),
@@ -122,6 +123,59 @@ def cmd_bench(args) -> int:
         from . import plots
 
         plots.bench_plot(results, args.png, meta)
+    return 0
+
+
+def cmd_tune(args) -> int:
+    import torch
+
+    from . import dispatch, ops, tune, tuning
+    from .generated import registry
+    from .launch import LaunchConfig, all_configs
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch, target = ops.device_target(device)
+    names = sorted(n for n, row in registry.VARIANTS.items() if row[6] == arch and row[7] == dispatch.default_conversions(arch))
+    if args.variants:
+        names = [n for n in names if any(n == w or n.startswith(w) for w in args.variants)]
+    if not names:
+        print(f"tune: no {arch} variant matches {args.variants}")
+        return 1
+    buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else tuning.default_buckets(args.max_tokens)
+    if args.configs:
+        configs = [LaunchConfig.from_key(k) for k in args.configs.split(",")]
+    else:
+        configs = all_configs() if args.space == "full" else list(tune.DEFAULT_SPACE)
+    default = dispatch.default_config(arch)
+    if default not in configs:
+        configs.append(default)  # the heuristic's choice is always a candidate
+    configs = tune.prune(configs)
+    print(f"tune: {len(names)} variants x {len(configs)} configs x {len(buckets)} buckets on {torch.cuda.get_device_name()} ({target})")
+    sweep = tune.run(names, buckets, configs, h=args.heads, p=args.padded_heads, jobs=args.jobs, replays=args.replays)
+    env = tuning.current_environment()
+    new = tune.entries(sweep, names, buckets, env, args.heads, args.padded_heads)
+    db_path = Path(args.db) if args.db else tuning.database_path()
+    db = tuning.TuningDatabase.load(db_path)
+    db.merge(new)
+    db.save(db_path)
+    print(f"\n{'variant':44} {'T':>6} {'best config':>16} {'us':>9} {'default us':>10} {'gain':>6}")
+    for e in new:
+        d = sweep.timings.get((e["variant"], e["bucket"], default.key), float("inf"))
+        print(f"{e['variant']:44} {e['bucket']:6d} {e['config']:>16} {e['us']:9.2f} {d:10.2f} {d / e['us']:5.2f}x")
+    for v, key, b, err in sweep.failures:
+        print(f"FAILED {v} {key} T={b}: {err}")
+    print(f"\ntune: {sweep.seconds:.1f}s, {len(new)} entries merged into {db_path}")
+    if args.plot_dir:
+        from . import plots
+
+        for v in names:
+            plots.tune_plot(sweep, v, buckets, args.heads, args.padded_heads, Path(args.plot_dir) / f"tune_{v}.png")
+    if args.json:
+        import json
+
+        rows = [{"variant": v, "bucket": b, "config": k, "us": us} for (v, b, k), us in sorted(sweep.timings.items())]
+        Path(args.json).write_text(json.dumps({"seconds": sweep.seconds, "env": env.as_dict(), "default": default.key,
+                                               "timings": rows, "failures": sweep.failures}, indent=1))
     return 0
 
 
@@ -158,6 +212,21 @@ def main(argv=None) -> int:
     s.add_argument("--json", help="write results here")
     s.add_argument("--png", help="draw GB/s against token count here")
     s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("tune", help="sweep launch configs per token-count bucket on this GPU; write the tuning database")
+    s.add_argument("--variants", nargs="*", help="variant names or prefixes (default: every variant of this GPU's arch)")
+    s.add_argument("--buckets", help="comma-separated token counts (default: powers of two up to --max-tokens)")
+    s.add_argument("--max-tokens", type=int, default=32768)
+    s.add_argument("--space", default="default", choices=["default", "full"], help="config space to enumerate")
+    s.add_argument("--configs", help="comma-separated config keys instead of a space")
+    s.add_argument("--heads", type=int, default=64)
+    s.add_argument("--padded-heads", type=int, default=64)
+    s.add_argument("--jobs", type=int, help="compile processes")
+    s.add_argument("--replays", type=int, default=15)
+    s.add_argument("--db", help="tuning database to merge into (default $ATTN_PROLOGUE_TUNING_DB or the shipped one)")
+    s.add_argument("--plot-dir", help="write one PNG per variant: GB/s per config across buckets")
+    s.add_argument("--json", help="write every timing here")
+    s.set_defaults(fn=cmd_tune)
 
     s = sub.add_parser("compile-entries", help=argparse.SUPPRESS)
     s.add_argument("--cache-dir")

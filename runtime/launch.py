@@ -13,25 +13,28 @@ from dataclasses import asdict, dataclass, fields
 
 @dataclass(frozen=True, order=True)
 class LaunchConfig:
-    warps_per_cta: int = 4  # each warp handles one pass (32 / lanes-per-row rows) of the op
+    warps_per_cta: int = 4
+    passes_per_warp: int = 1  # passes (32 / lanes-per-row rows each) a warp loads before it computes
     pdl: bool = True  # programmatic dependent launch: griddepcontrol.wait / launch_dependents
     non_coherent: bool = True  # read-only loads through ld.global.nc
 
     def __post_init__(self):
         if self.warps_per_cta not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"warps_per_cta must be a power of two in 1..32, got {self.warps_per_cta}")
+        if self.passes_per_warp not in (1, 2, 4):
+            raise ValueError(f"passes_per_warp must be 1, 2 or 4, got {self.passes_per_warp}")
 
     @property
     def key(self) -> str:
         """Stable string form, used in kernel-cache keys and tuning databases."""
-        return f"w{self.warps_per_cta}_pdl{int(self.pdl)}_nc{int(self.non_coherent)}"
+        return f"w{self.warps_per_cta}_u{self.passes_per_warp}_pdl{int(self.pdl)}_nc{int(self.non_coherent)}"
 
     @classmethod
     def from_key(cls, key: str) -> "LaunchConfig":
-        m = re.fullmatch(r"w(\d+)_pdl([01])_nc([01])", key)
+        m = re.fullmatch(r"w(\d+)_u(\d+)_pdl([01])_nc([01])", key)
         if not m:
             raise ValueError(f"not a launch-config key: {key!r}")
-        return cls(int(m.group(1)), bool(int(m.group(2))), bool(int(m.group(3))))
+        return cls(int(m.group(1)), int(m.group(2)), bool(int(m.group(3))), bool(int(m.group(4))))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -44,5 +47,9 @@ class LaunchConfig:
 def all_configs() -> list[LaunchConfig]:
     """Every config the template supports (the tuner prunes from these)."""
     return [
-        LaunchConfig(w, pdl, nc) for w in (1, 2, 4, 8, 16, 32) for pdl in (True, False) for nc in (True, False)
+        LaunchConfig(w, u, pdl, nc)
+        for w in (1, 2, 4, 8, 16, 32)
+        for u in (1, 2, 4)
+        for pdl in (True, False)
+        for nc in (True, False)
     ]

@@ -243,19 +243,49 @@ def check_kv(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, ca
 # alignment and devices before launching; when it (or the cheap checks) refuse a call, the full
 # Python validation runs to raise a typed InputError that names the problem.
 _bound: dict[tuple, Kernel] = {}
+MAX_BUCKET_LOG2 = 15  # token-count buckets 1, 2, 4, ... 32768 (larger counts use the last)
+_tuning_table: Optional[dict] = None
+
+
+def tuning_table() -> dict:
+    """(variant, bucket) -> LaunchConfig from the tuning database for this GPU (empty without one)."""
+    global _tuning_table
+    if _tuning_table is None:
+        from . import tuning
+
+        try:
+            db = tuning.TuningDatabase.load(tuning.database_path())
+            _tuning_table = db.table_for(tuning.current_environment()) if db.entries else {}
+        except Exception as exc:  # a broken database never breaks serving
+            import warnings
+
+            warnings.warn(f"tuning database not used: {exc}", tuning.TuningDatabaseWarning)
+            _tuning_table = {}
+    return _tuning_table
 
 
 def kernel_for(device: torch.device, *, op: str, q_out: str, head_dim: int, rope_dim: int, cache_format: str, io: str,
-               config: Optional[LaunchConfig] = None, conversions: Optional[str] = None) -> Kernel:
-    key = (device, op, q_out, head_dim, rope_dim, cache_format, io, config, conversions)
+               config: Optional[LaunchConfig] = None, conversions: Optional[str] = None, n_tokens: int = 1) -> Kernel:
+    """The kernel for a request: the variant from the dispatcher, the config from (in order) the
+    caller, the tuning database entry of the token-count bucket, the arch's default."""
+    from .tuning import bucket_of
+
+    arch, target = device_target(device)
+    name = dispatch.select_variant(arch=arch, op=op, head_dim=head_dim, rope_dim=rope_dim, cache_format=cache_format,
+                                   io_dtype=io, q_out=q_out, conversions=conversions)
+    if config is None:
+        config = tuning_table().get((name, min(bucket_of(n_tokens), 1 << MAX_BUCKET_LOG2)), dispatch.default_config(arch))
+    key = (device, name, config)
     k = _bound.get(key)
     if k is None:
-        arch, target = device_target(device)
-        name = dispatch.select_variant(arch=arch, op=op, head_dim=head_dim, rope_dim=rope_dim, cache_format=cache_format,
-                                       io_dtype=io, q_out=q_out, conversions=conversions)
-        k = Kernel(name, config or dispatch.default_config(arch), target)
+        k = Kernel(name, config, target)
         _bound[key] = k
     return k
+
+
+def kernels_by_bucket(device, **request) -> list:
+    """The kernel function for every token-count bucket (index = ceil(log2(n)))."""
+    return [kernel_for(device, n_tokens=1 << i, **request).fn for i in range(MAX_BUCKET_LOG2 + 1)]
 
 
 _fast_qkv: dict[tuple, tuple] = {}
@@ -263,11 +293,11 @@ _fast_qkv: dict[tuple, tuple] = {}
 
 def _bind_qkv(q_in, cos_sin_cache, cache_format, fp8_out, config, conversions):
     device = q_in.device
-    k = kernel_for(device, op="qkv", q_out="fp8" if fp8_out else "io", head_dim=q_in.shape[2],
-                   rope_dim=cos_sin_cache.shape[1], cache_format=cache_format, io=IO_DTYPES[q_in.dtype],
-                   config=config, conversions=conversions)
-    bpt = get_format(cache_format).bytes_per_token(q_in.shape[2])
-    return k.fn, errors_buffer(device), bpt, get_format(cache_format).needs_tensor_scale
+    fns = kernels_by_bucket(device, op="qkv", q_out="fp8" if fp8_out else "io", head_dim=q_in.shape[2],
+                            rope_dim=cos_sin_cache.shape[1], cache_format=cache_format, io=IO_DTYPES[q_in.dtype],
+                            config=config, conversions=conversions)
+    fmt = get_format(cache_format)
+    return fns, errors_buffer(device), fmt.bytes_per_token(q_in.shape[2]), fmt.needs_tensor_scale
 
 
 def qnorm_rope_kv_insert(
@@ -279,8 +309,7 @@ def qnorm_rope_kv_insert(
         n, h, d = q_in.shape
         p = q_out.shape[1]
         key = (q_in.get_device(), q_in.dtype, cache_format, d, cos_sin_cache.shape[1], q_scale is not None, config, conversions)
-        bound = _fast_qkv[key]
-        fn, errors, bpt, needs_scale = bound
+        fns, errors, bpt, needs_scale = _fast_qkv[key]
         ok = (
             kv.shape[0] == n and positions.shape[0] == n and slot_mapping.shape[0] <= n and q_out.shape[0] >= n
             and p >= h and block_size > 0 and k_cache.shape[1] >= block_size * bpt
@@ -291,9 +320,10 @@ def qnorm_rope_kv_insert(
     if not ok:
         check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
                   q_scale=q_scale, kv_scale=kv_scale)
-        fn, errors, bpt, needs_scale = _fast_qkv.setdefault(key, _bind_qkv(q_in, cos_sin_cache, cache_format, q_scale is not None, config, conversions))
+        fns, errors, bpt, needs_scale = _fast_qkv.setdefault(key, _bind_qkv(q_in, cos_sin_cache, cache_format, q_scale is not None, config, conversions))
     if n == 0:
         return
+    fn = fns[min((n - 1).bit_length(), MAX_BUCKET_LOG2)]
     out = q_out if q_scale is None else q_out.view(torch.uint8)
     nwh = p if write_pad_heads else h
     try:
@@ -322,7 +352,8 @@ def kv_rope_insert(
         return
     op = "kv_norm" if norm_weight is not None else "kv"
     k = kernel_for(device, op=op, q_out="io", head_dim=kv.shape[1], rope_dim=cos_sin_cache.shape[1],
-                   cache_format=cache_format, io=io, config=config, conversions=conversions)
+                   cache_format=cache_format, io=io, config=config, conversions=conversions,
+                   n_tokens=slot_mapping.shape[0])
     k(
         kv=kv, norm_weight=norm_weight, k_cache=k_cache, slot_mapping=slot_mapping, positions=positions,
         cos_sin_cache=cos_sin_cache, kv_scale=kv_scale, errors=errors_buffer(device), eps=float(eps),

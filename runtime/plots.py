@@ -37,3 +37,36 @@ def bench_plot(results, path: str, meta: dict) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def tune_plot(sweep, variant: str, buckets: list[int], h: int, p: int, path) -> None:
+    """GB/s of every config across buckets for one variant; the best per bucket is marked."""
+    import math
+
+    from .tune import shape_for
+
+    plt = _pyplot()
+    keys = sorted({k for (v, _, k) in sweep.timings if v == variant})
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for i, key in enumerate(keys):
+        xs, ys = [], []
+        for b in buckets:
+            us = sweep.timings.get((variant, b, key), math.inf)
+            if math.isfinite(us):
+                xs.append(b)
+                ys.append(shape_for(variant, b, h, p).min_bytes() / us / 1e3)
+        ax.plot(xs, ys, "-", lw=1, alpha=0.6, color=f"C{i % 10}", label=key if len(keys) <= 12 else None)
+    for b in buckets:
+        key, us = sweep.best(variant, b)
+        if math.isfinite(us):
+            ax.plot([b], [shape_for(variant, b, h, p).min_bytes() / us / 1e3], "k*", ms=9)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per call (T)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"tune {variant} (H={h}, P={p}); * = best per bucket")
+    ax.grid(True, which="both", alpha=0.3)
+    if len(keys) <= 12:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

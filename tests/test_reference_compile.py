@@ -109,3 +109,24 @@ def test_kv_rope_insert_with_norm_compiled_equals_eager():
         assert torch.equal(ce, cc)
         assert not torch.equal(ce, inp["cache_base"])
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_round_through_survives_compile(dtype):
+    """numerics.round_through must round under torch.compile too. Inductor fuses a plain
+    x.to(dtype).to(float32) pair into a no-op (it skips intermediate downcasts), which made the
+    compiled reference store unrounded KV values; the bit-level implementation keeps the rounding."""
+    from attn_prologue import numerics as nx
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4096, generator=g) * 2.0 ** torch.randint(-30, 20, (4096,), generator=g)
+    x[:6] = torch.tensor([65519.0, 65520.0, 1e5, 3.0 * 2.0**-26, -(2.0**-25), 3.4e38])
+
+    def f(t):
+        return nx.round_through(t * 1.0009765625, dtype) * 3.0  # fused with neighbours
+
+    want = (x * 1.0009765625).to(dtype).to(torch.float32) * 3.0  # eager cast pair
+    got = torch.compile(f, fullgraph=True)(x)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    torch._dynamo.reset()

@@ -49,12 +49,13 @@ def ue8m0_byte(r: Float32) -> Uint32:
 # A D=512 row is 1 KB of loads per warp, so >= 13 resident warps per SM; 4-warp CTAs allow 16
 # CTAs (64 warps) per SM at <= 64 registers/thread.
 # Parts: H100 SXM 132 SMs 12.8 B/clk/SM; H200 132 SMs 18.4 B/clk/SM.
-DEFAULT_CONFIG = {'warps_per_cta': 4, 'pdl': True, 'non_coherent': True}
+DEFAULT_CONFIG = {'warps_per_cta': 4, 'passes_per_warp': 1, 'pdl': True, 'non_coherent': True}
 # ---- end launch defaults -----------------------------------------------------------------------
 
 
 class Kernel:
-    """`Kernel(config)(*ARGUMENTS, stream)` launches one pass per warp over the run-time token count."""
+    """`Kernel(config)(*ARGUMENTS, stream)` launches config.passes_per_warp passes per warp over the
+    run-time token count. A pass is ROWS_PER_PASS rows: (token, head) rows of Q, then rows of KV."""
 
     def __init__(self, config):
         self.cfg = config
@@ -75,10 +76,12 @@ class Kernel:
         checked: Int32,
         stream: cuda.CUstream,
     ):
+        per_warp = self.cfg.passes_per_warp
         q_passes = Int32(0)
         kv_passes = (slot_mapping.shape[0] + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
         passes = q_passes + kv_passes
         warps = self.cfg.warps_per_cta
+        n_warps = (passes + (per_warp - 1)) // per_warp
         self.kernel(
             kv,
             norm_weight,
@@ -94,7 +97,7 @@ class Kernel:
             q_passes,
             passes,
         ).launch(
-            grid=[(passes + (warps - 1)) // warps, 1, 1],
+            grid=[(n_warps + (warps - 1)) // warps, 1, 1],
             block=[32 * warps, 1, 1],
             stream=stream,
             use_pdl=self.cfg.pdl,
@@ -122,7 +125,7 @@ class Kernel:
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_wait()
         lane = tidx % 32
-        p = bidx * self.cfg.warps_per_cta + tidx // 32
+        p = (bidx * self.cfg.warps_per_cta + tidx // 32) * self.cfg.passes_per_warp  # this warp's first pass
         if p < passes:
             self.kv_pass(
                 p - q_passes,
@@ -183,49 +186,54 @@ class Kernel:
         eps: Float32,
         kv_scale: cute.Tensor,
     ):
-        """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. The row is
-        loaded together with its slot and position (not after them), then cos/sin."""
+        """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. All rows' loads
+        are issued first (row, slot and position together, then cos/sin), then each row is finished."""
         sub = lane % LANES_PER_ROW
-        r = p * ROWS_PER_PASS + lane // LANES_PER_ROW
-        valid = r < slot_mapping.shape[0]
-        slot = Int64(-1)
-        position = Int64(0)
-        src = kl.base_address(kv) + Int64(r) * kv.stride[0] * 2
-        frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
-        if valid:
-            slot = Int64(slot_mapping[r])
-            position = Int64(positions[r])
-            for s in range_constexpr(SLOTS):
-                kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
+        rows = []
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            r = (p + u) * ROWS_PER_PASS + lane // LANES_PER_ROW
+            valid = r < slot_mapping.shape[0]
+            slot = Int64(-1)
+            position = Int64(0)
+            src = kl.base_address(kv) + Int64(r) * kv.stride[0] * 2
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
+            if valid:
+                slot = Int64(slot_mapping[r])
+                position = Int64(positions[r])
+                for s in range_constexpr(SLOTS):
+                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
+            ok = slot >= 0
+            if checked != 0:
+                capacity = Int64(k_cache.shape[0]) * Int64(block_size)
+                bad = ok & ((slot >= capacity) | (position < 0) | (position >= cos_sin_cache.shape[0]))
+                if bad & (sub == 0):
+                    cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(errors), Int64(0), Int32, 4), Int32(1))
+                ok = ok & cutlass.not_(bad)
+            tables = self.load_tail_cos_sin(ok, position, cos_sin_cache, sub)
+            rows.append((slot, ok, frags, tables))
         weights = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
         for s in range_constexpr(SLOTS):
             kl.load_vector_into(weights[s], kl.base_address(norm_weight), Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
-        ok = slot >= 0
-        if checked != 0:
-            capacity = Int64(k_cache.shape[0]) * Int64(block_size)
-            bad = ok & ((slot >= capacity) | (position < 0) | (position >= cos_sin_cache.shape[0]))
-            if bad & (sub == 0):
-                cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(errors), Int64(0), Int32, 4), Int32(1))
-            ok = ok & cutlass.not_(bad)
-        tables = self.load_tail_cos_sin(ok, position, cos_sin_cache, sub)
-        ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
-        # weighted RMSNorm, rounded through the I/O dtype before RoPE
-        xs = [f.load().to(Float32) for f in frags]
-        rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, eps)
-        for s in range_constexpr(SLOTS):
-            ys[s].store(((xs[s] * rinv) * weights[s].load().to(Float32)).to(IO_DTYPE).to(Float32))
-        self.rotate_tail(ys, tables, ok, sub)
-        xr = [ys[s].load().to(IO_DTYPE).to(Float32) for s in range(SLOTS)]  # round through the I/O dtype
-        block = slot // Int64(block_size)
-        page = kl.base_address(k_cache) + block * k_cache.stride[0]
-        o = slot - block * Int64(block_size)
-        data = page + o * DATA_BYTES
-        scales = page + Int64(block_size) * DATA_BYTES + o * SCALE_BYTES
-        scale = kv_scale[0]
-        for s in range_constexpr(SLOTS):
-            values = kl.e4m3_vector(xr[s] / scale)  # IEEE division, then saturating e4m3
-            if ok:
-                kl.store_vector(values, data, Int64((s * LANES_PER_ROW + sub) * VEC), cutlass.Float8E4M3FN, 8)
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            slot, ok, frags, tables = rows[u]
+            ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
+            # weighted RMSNorm, rounded through the I/O dtype before RoPE
+            xs = [f.load().to(Float32) for f in frags]
+            rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, eps)
+            for s in range_constexpr(SLOTS):
+                ys[s].store(((xs[s] * rinv) * weights[s].load().to(Float32)).to(IO_DTYPE).to(Float32))
+            self.rotate_tail(ys, tables, ok, sub)
+            xr = [ys[s].load().to(IO_DTYPE).to(Float32) for s in range(SLOTS)]  # round through the I/O dtype
+            block = slot // Int64(block_size)
+            page = kl.base_address(k_cache) + block * k_cache.stride[0]
+            o = slot - block * Int64(block_size)
+            data = page + o * DATA_BYTES
+            scales = page + Int64(block_size) * DATA_BYTES + o * SCALE_BYTES
+            scale = kv_scale[0]
+            for s in range_constexpr(SLOTS):
+                values = kl.e4m3_vector(xr[s] / scale)  # IEEE division, then saturating e4m3
+                if ok:
+                    kl.store_vector(values, data, Int64((s * LANES_PER_ROW + sub) * VEC), cutlass.Float8E4M3FN, 8)
 
 
 def fake_arguments():

@@ -74,12 +74,13 @@ def e2m1_pack8(y) -> Uint32:
 # B200: 8 TB/s over 148 SMs is ~28 B/clock/SM (~19 KB in flight per SM, >= 19 warps of 1 KB);
 # 4-warp CTAs reach the 64-warp occupancy limit. Untuned: no SM100 GPU was available.
 # Parts: B200 148 SMs 27.5 B/clk/SM.
-DEFAULT_CONFIG = {'warps_per_cta': 4, 'pdl': True, 'non_coherent': True}
+DEFAULT_CONFIG = {'warps_per_cta': 4, 'passes_per_warp': 1, 'pdl': True, 'non_coherent': True}
 # ---- end launch defaults -----------------------------------------------------------------------
 
 
 class Kernel:
-    """`Kernel(config)(*ARGUMENTS, stream)` launches one pass per warp over the run-time token count."""
+    """`Kernel(config)(*ARGUMENTS, stream)` launches config.passes_per_warp passes per warp over the
+    run-time token count. A pass is ROWS_PER_PASS rows: (token, head) rows of Q, then rows of KV."""
 
     def __init__(self, config):
         self.cfg = config
@@ -102,11 +103,14 @@ class Kernel:
         checked: Int32,
         stream: cuda.CUstream,
     ):
+        per_warp = self.cfg.passes_per_warp
         q_rows = q_in.shape[0] * n_write_heads
         q_passes = (q_rows + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
+        q_passes = (q_passes + (per_warp - 1)) // per_warp * per_warp  # a warp never mixes Q and KV
         kv_passes = (slot_mapping.shape[0] + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
         passes = q_passes + kv_passes
         warps = self.cfg.warps_per_cta
+        n_warps = (passes + (per_warp - 1)) // per_warp
         self.kernel(
             q_in,
             kv,
@@ -124,7 +128,7 @@ class Kernel:
             q_passes,
             passes,
         ).launch(
-            grid=[(passes + (warps - 1)) // warps, 1, 1],
+            grid=[(n_warps + (warps - 1)) // warps, 1, 1],
             block=[32 * warps, 1, 1],
             stream=stream,
             use_pdl=self.cfg.pdl,
@@ -154,7 +158,7 @@ class Kernel:
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_wait()
         lane = tidx % 32
-        p = bidx * self.cfg.warps_per_cta + tidx // 32
+        p = (bidx * self.cfg.warps_per_cta + tidx // 32) * self.cfg.passes_per_warp  # this warp's first pass
         if p < q_passes:
             self.q_pass(p, lane, q_in, q_out, positions, cos_sin_cache, errors, eps, n_write_heads, checked, q_scale)
         elif p < passes:
@@ -213,41 +217,46 @@ class Kernel:
         q_scale: cute.Tensor,
     ):
         """Rows are (token, head) pairs, head-minor; heads [H, n_write_heads) are written as zeros.
-        Loads are issued in dependency order: position and the row first, then cos/sin."""
+        All rows' loads are issued first (position and row, then cos/sin), then each row is finished."""
         sub = lane % LANES_PER_ROW
-        r = p * ROWS_PER_PASS + lane // LANES_PER_ROW
-        t = r // n_write_heads
-        h = r - t * n_write_heads
-        valid = t < q_in.shape[0]
-        live = valid & (h < q_in.shape[1])
-        position = Int64(0)
-        if valid:
-            position = Int64(positions[t])
-        src = kl.base_address(q_in) + (Int64(t) * q_in.stride[0] + Int64(h) * HEAD_DIM) * 2
-        frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
-        if live:
+        rows = []
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            r = (p + u) * ROWS_PER_PASS + lane // LANES_PER_ROW
+            t = r // n_write_heads
+            h = r - t * n_write_heads
+            valid = t < q_in.shape[0]
+            live = valid & (h < q_in.shape[1])
+            position = Int64(0)
+            if valid:
+                position = Int64(positions[t])
+            src = kl.base_address(q_in) + (Int64(t) * q_in.stride[0] + Int64(h) * HEAD_DIM) * 2
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
+            if live:
+                for s in range_constexpr(SLOTS):
+                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
+            if checked != 0:
+                bad = valid & ((position < 0) | (position >= cos_sin_cache.shape[0]))
+                if bad & (h == 0) & (sub == 0):
+                    cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(errors), Int64(4), Int32, 4), Int32(1))
+                live = live & cutlass.not_(bad)
+            tables = self.load_tail_cos_sin(live, position, cos_sin_cache, sub)
+            rows.append((t, h, valid, live, frags, tables))
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            t, h, valid, live, frags, tables = rows[u]
+            xs = [f.load().to(Float32) for f in frags]
+            rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, eps)
+            ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
             for s in range_constexpr(SLOTS):
-                kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
-        if checked != 0:
-            bad = valid & ((position < 0) | (position >= cos_sin_cache.shape[0]))
-            if bad & (h == 0) & (sub == 0):
-                cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(errors), Int64(4), Int32, 4), Int32(1))
-            live = live & cutlass.not_(bad)
-        tables = self.load_tail_cos_sin(live, position, cos_sin_cache, sub)
-        xs = [f.load().to(Float32) for f in frags]
-        rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, eps)
-        ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
-        for s in range_constexpr(SLOTS):
-            ys[s].store(xs[s] * rinv)
-        self.rotate_tail(ys, tables, live, sub)
-        dst = kl.base_address(q_out) + (Int64(t) * q_out.stride[0] + Int64(h) * HEAD_DIM) * 1
-        if valid:
-            for s in range_constexpr(SLOTS):
-                offset = Int64((s * LANES_PER_ROW + sub) * VEC * 1)
-                out = kl.e4m3_vector(ys[s].load() / q_scale[0])  # e4m3(q / scale), saturating
-                if not live:
-                    out.fill(0)
-                kl.store_vector(out, dst, offset, cutlass.Float8E4M3FN, 8)
+                ys[s].store(xs[s] * rinv)
+            self.rotate_tail(ys, tables, live, sub)
+            dst = kl.base_address(q_out) + (Int64(t) * q_out.stride[0] + Int64(h) * HEAD_DIM) * 1
+            if valid:
+                for s in range_constexpr(SLOTS):
+                    offset = Int64((s * LANES_PER_ROW + sub) * VEC * 1)
+                    out = kl.e4m3_vector(ys[s].load() / q_scale[0])  # e4m3(q / scale), saturating
+                    if not live:
+                        out.fill(0)
+                    kl.store_vector(out, dst, offset, cutlass.Float8E4M3FN, 8)
 
     @cute.jit
     def kv_pass(
@@ -263,50 +272,55 @@ class Kernel:
         block_size: Int32,
         checked: Int32,
     ):
-        """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. The row is
-        loaded together with its slot and position (not after them), then cos/sin."""
+        """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. All rows' loads
+        are issued first (row, slot and position together, then cos/sin), then each row is finished."""
         sub = lane % LANES_PER_ROW
-        r = p * ROWS_PER_PASS + lane // LANES_PER_ROW
-        valid = r < slot_mapping.shape[0]
-        slot = Int64(-1)
-        position = Int64(0)
-        src = kl.base_address(kv) + Int64(r) * kv.stride[0] * 2
-        frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
-        if valid:
-            slot = Int64(slot_mapping[r])
-            position = Int64(positions[r])
+        rows = []
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            r = (p + u) * ROWS_PER_PASS + lane // LANES_PER_ROW
+            valid = r < slot_mapping.shape[0]
+            slot = Int64(-1)
+            position = Int64(0)
+            src = kl.base_address(kv) + Int64(r) * kv.stride[0] * 2
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
+            if valid:
+                slot = Int64(slot_mapping[r])
+                position = Int64(positions[r])
+                for s in range_constexpr(SLOTS):
+                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
+            ok = slot >= 0
+            if checked != 0:
+                capacity = Int64(k_cache.shape[0]) * Int64(block_size)
+                bad = ok & ((slot >= capacity) | (position < 0) | (position >= cos_sin_cache.shape[0]))
+                if bad & (sub == 0):
+                    cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(errors), Int64(0), Int32, 4), Int32(1))
+                ok = ok & cutlass.not_(bad)
+            tables = self.load_tail_cos_sin(ok, position, cos_sin_cache, sub)
+            rows.append((slot, ok, frags, tables))
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            slot, ok, frags, tables = rows[u]
+            ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
             for s in range_constexpr(SLOTS):
-                kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
-        ok = slot >= 0
-        if checked != 0:
-            capacity = Int64(k_cache.shape[0]) * Int64(block_size)
-            bad = ok & ((slot >= capacity) | (position < 0) | (position >= cos_sin_cache.shape[0]))
-            if bad & (sub == 0):
-                cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(errors), Int64(0), Int32, 4), Int32(1))
-            ok = ok & cutlass.not_(bad)
-        tables = self.load_tail_cos_sin(ok, position, cos_sin_cache, sub)
-        ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
-        for s in range_constexpr(SLOTS):
-            ys[s].store(frags[s].load().to(Float32))
-        self.rotate_tail(ys, tables, ok, sub)
-        xr = [ys[s].load().to(IO_DTYPE).to(Float32) for s in range(SLOTS)]  # round through the I/O dtype
-        block = slot // Int64(block_size)
-        page = kl.base_address(k_cache) + block * k_cache.stride[0]
-        o = slot - block * Int64(block_size)
-        data = page + o * DATA_BYTES
-        scales = page + Int64(block_size) * DATA_BYTES + o * SCALE_BYTES
-        # amax = max(max|x|, floor) per block; e = ceil(log2(amax / ELEMENT_MAX)); values x * 2^-e
-        for s in range_constexpr(SLOTS):
-            j = s * LANES_PER_ROW + sub
-            amax = cute.math.max(kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK), Float32(AMAX_FLOOR))
-            byte = ue8m0_byte(amax / Float32(ELEMENT_MAX))
-            e = Int32(byte) - 127
-            y = xr[s] * kl.scale_multiplier(e)
-            packed = e2m1_pack8(y)
-            if ok:
-                kl.store_u32(data, Int64(j * 4), packed)
-                if sub % LANES_PER_BLOCK == 0:
-                    kl.store_byte(scales, Int64(j // LANES_PER_BLOCK), byte)
+                ys[s].store(frags[s].load().to(Float32))
+            self.rotate_tail(ys, tables, ok, sub)
+            xr = [ys[s].load().to(IO_DTYPE).to(Float32) for s in range(SLOTS)]  # round through the I/O dtype
+            block = slot // Int64(block_size)
+            page = kl.base_address(k_cache) + block * k_cache.stride[0]
+            o = slot - block * Int64(block_size)
+            data = page + o * DATA_BYTES
+            scales = page + Int64(block_size) * DATA_BYTES + o * SCALE_BYTES
+            # amax = max(max|x|, floor) per block; e = ceil(log2(amax / ELEMENT_MAX)); values x * 2^-e
+            for s in range_constexpr(SLOTS):
+                j = s * LANES_PER_ROW + sub
+                amax = cute.math.max(kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK), Float32(AMAX_FLOOR))
+                byte = ue8m0_byte(amax / Float32(ELEMENT_MAX))
+                e = Int32(byte) - 127
+                y = xr[s] * kl.scale_multiplier(e)
+                packed = e2m1_pack8(y)
+                if ok:
+                    kl.store_u32(data, Int64(j * 4), packed)
+                    if sub % LANES_PER_BLOCK == 0:
+                        kl.store_byte(scales, Int64(j // LANES_PER_BLOCK), byte)
 
 
 def fake_arguments():

@@ -1,0 +1,135 @@
+"""`tune`: sweep launch configs of variants over token-count buckets on the present GPU.
+
+Configs are enumerated from the template's knobs, pruned (duplicates, configs that cannot differ
+from a smaller one at a bucket are still timed: the pruning here is validity and identity), compiled
+in parallel worker processes while the main process times the ones already built, each timed under
+CUDA-graph replay with cold L2 (bench.graph_time_us over rotated input sets). A failure scores
+infinity and is reported. The best config per (variant, bucket) goes into the tuning database.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import multiprocessing
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from . import bench, dispatch
+from .launch import LaunchConfig, all_configs  # noqa: F401  (all_configs: the --space full option)
+
+DEFAULT_SPACE = [
+    LaunchConfig(w, u, True, nc) for w in (1, 2, 4, 8, 16) for u in (1, 2, 4) for nc in (True, False)
+]
+
+
+def prune(configs: list[LaunchConfig]) -> list[LaunchConfig]:
+    """Drop invalid and duplicate configs (by key), keeping order."""
+    seen, out = set(), []
+    for c in configs:
+        if c.key in seen or c.warps_per_cta * 32 > 1024:
+            continue
+        seen.add(c.key)
+        out.append(c)
+    return out
+
+
+def shape_for(variant: str, n: int, h: int, p: int, block_size: int = 64) -> bench.Shape:
+    info = dispatch.variant_info(variant)
+    return bench.Shape(n=n, h=h, p=p, head_dim=info.head_dim, rope_dim=info.rope_dim, cache_format=info.cache_format,
+                       block_size=block_size, op=info.op, dtype=info.io_dtype, q_fp8=info.q_out == "fp8")
+
+
+def _compile_job(cache_root: str, variant: str, config_key: str, target: str) -> tuple[str, str, Optional[str]]:
+    from .kernel_cache import KernelCache, KernelKey
+
+    try:
+        KernelCache(cache_root).ensure_built(KernelKey(variant, LaunchConfig.from_key(config_key), target))
+        return variant, config_key, None
+    except Exception as exc:  # reported, scored as infinity
+        return variant, config_key, f"{type(exc).__name__}: {exc}"
+
+
+@dataclass
+class Sweep:
+    timings: dict = field(default_factory=dict)  # (variant, bucket, config key) -> us (inf on failure)
+    failures: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def best(self, variant: str, bucket: int) -> tuple[str, float]:
+        cands = [(us, key) for (v, b, key), us in self.timings.items() if v == variant and b == bucket]
+        us, key = min(cands)
+        return key, us
+
+
+def run(
+    variants: list[str],
+    buckets: list[int],
+    configs: list[LaunchConfig],
+    *,
+    h: int = 64,
+    p: int = 64,
+    jobs: Optional[int] = None,
+    replays: int = 15,
+    cache=None,
+    log: Callable[[str], None] = print,
+) -> Sweep:
+    import torch
+
+    from . import ops
+
+    cache = cache or ops.default_cache()
+    target = ops.device_target(torch.device("cuda", torch.cuda.current_device()))[1]
+    configs = prune(configs)
+    sweep = Sweep()
+    t0 = time.perf_counter()
+    work = [(v, c) for v in variants for c in configs]
+    total = len(work) * len(buckets)
+    done = 0
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=jobs or max(1, min(8, (multiprocessing.cpu_count() or 2) - 1)), mp_context=ctx) as pool:
+        futures = [pool.submit(_compile_job, str(cache.root), v, c.key, target) for v, c in work]
+        for fut in cf.as_completed(futures):
+            variant, key, err = fut.result()
+            config = LaunchConfig.from_key(key)
+            for b in buckets:
+                us = math.inf
+                if err is None:
+                    try:
+                        us = time_config(variant, config, b, h=h, p=p, replays=replays)
+                    except Exception as exc:
+                        err = f"{type(exc).__name__}: {exc}"
+                if err is not None:
+                    sweep.failures.append((variant, key, b, err))
+                sweep.timings[(variant, b, key)] = us
+                done += 1
+            elapsed = time.perf_counter() - t0
+            eta = elapsed / done * (total - done)
+            log(f"[{done}/{total}] {variant} {key}: " + ("FAILED " + err if err else "ok")
+                + f"  elapsed {elapsed:.0f}s, ETA {eta:.0f}s")
+    sweep.seconds = time.perf_counter() - t0
+    return sweep
+
+
+def time_config(variant: str, config: LaunchConfig, n: int, *, h: int, p: int, replays: int) -> float:
+    shape = shape_for(variant, n, h, p)
+    nsets = bench.sets_for_cold_l2(shape)
+    sets = bench.input_sets(shape, nsets)
+    # fewer replays for long calls: ~30 ms of GPU time per measurement is plenty
+    est_us = max(2.0, shape.min_bytes() / 4e6)
+    calls = max(nsets, min(20, int(3000 / est_us) + 1))
+    reps = max(3, min(replays, int(30000 / (est_us * calls)) + 1))
+    return bench.graph_time_us(bench.op_fns(shape, sets, config=config), replays=reps, calls_per_graph=calls)["median_us"]
+
+
+def entries(sweep: Sweep, variants: list[str], buckets: list[int], env, h: int, p: int) -> list[dict]:
+    out = []
+    for v in variants:
+        for b in buckets:
+            key, us = sweep.best(v, b)
+            if math.isinf(us):
+                continue
+            out.append({**env.as_dict(), "variant": v, "bucket": b, "config": key, "us": round(us, 3),
+                        "heads": h, "padded_heads": p})
+    return out
