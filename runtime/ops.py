@@ -174,8 +174,8 @@ def _check_scale(name: str, t, device) -> None:
 
 def check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, *, q_scale=None, kv_scale=None):
     """Validate a qnorm_rope_kv_insert call; returns (device, io dtype name, H, P)."""
-    if not isinstance(q_in, torch.Tensor) or not q_in.is_cuda:
-        _fail(f"q_in must be a CUDA tensor, got {getattr(q_in, 'device', type(q_in).__name__)}")
+    if not isinstance(q_in, torch.Tensor):
+        _fail(f"q_in must be a torch.Tensor, got {type(q_in).__name__}")
     device = q_in.device
     io = IO_DTYPES.get(q_in.dtype)
     if io is None:
@@ -203,8 +203,8 @@ def check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
     if q_out.untyped_storage().data_ptr() == q_in.untyped_storage().data_ptr() and q_out.numel() and q_in.numel():
         if p != h or q_out.data_ptr() != q_in.data_ptr() or q_out.stride() != q_in.stride():
             _fail("q_out may alias q_in only when it is the same tensor (in place, P == H)")
-    if kv.shape[0] != n if isinstance(kv, torch.Tensor) else True:
-        _fail(f"kv must have one row per token: {getattr(kv, 'shape', None)} vs {n} tokens of q_in")
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[0] != n:
+        _fail(f"kv must be [N, D] with one row per token: got {tuple(getattr(kv, 'shape', ()))} for {n} tokens of q_in")
     if q_scale is not None:
         _check_scale("q_scale", q_scale, device)
     if not isinstance(eps, (float, int)) or not eps >= 0:
@@ -218,8 +218,8 @@ def check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
 
 
 def check_kv(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, *, norm_weight=None, eps=1e-6, kv_scale=None):
-    if not isinstance(kv, torch.Tensor) or not kv.is_cuda:
-        _fail(f"kv must be a CUDA tensor, got {getattr(kv, 'device', type(kv).__name__)}")
+    if not isinstance(kv, torch.Tensor):
+        _fail(f"kv must be a torch.Tensor, got {type(kv).__name__}")
     io = IO_DTYPES.get(kv.dtype)
     if io is None:
         _fail(f"kv dtype must be bfloat16 or float16, got {kv.dtype}")

@@ -1,0 +1,138 @@
+"""The serving API: reserve scratch at profile time, bind once per layer, call per step.
+
+    pool = attn_prologue.ScratchPool()
+    pool.reserve(max_tokens=max_num_batched_tokens, padded_heads=64, head_dim=512, micro_batches=2)
+    ... size the KV cache with pool.reserved_bytes already taken ...
+    pool.lock()
+    op = attn_prologue.bind(num_heads=16, padded_heads=64, block_size=64, pool=pool)   # per layer
+    q_out = op(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch=mb)  # per step
+
+A bound op writes only the live heads into its zero-once scratch buffer, allocates nothing, and
+its per-call Python path is a few integer checks and one kernel call (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import dispatch, ops
+from .errors import InputError, ScratchError
+from .formats import get_format
+from .launch import LaunchConfig
+from .scratch import ScratchPool
+
+
+class BoundOp:
+    """qnorm_rope_kv_insert bound to one layer's shapes, device, cache format and scratch."""
+
+    def __init__(self, *, num_heads: int, padded_heads: Optional[int] = None, head_dim: int = 512, rope_dim: int = 64,
+                 cache_format: str = "fp8_ds_mla", dtype: torch.dtype = torch.bfloat16, block_size: int,
+                 pool: Optional[ScratchPool] = None, micro_batches: int = 1, eps: float = 1e-6,
+                 kv_scale: Optional[torch.Tensor] = None, q_scale: Optional[torch.Tensor] = None,
+                 checked: bool = False, device=None, config: Optional[LaunchConfig] = None):
+        device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if device.type != "cuda":
+            raise InputError(f"bind() needs a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        p = padded_heads or num_heads
+        if p < num_heads:
+            raise InputError(f"padded_heads={p} is smaller than num_heads={num_heads}")
+        if dtype not in ops.IO_DTYPES:
+            raise InputError(f"dtype must be bfloat16 or float16, got {dtype}")
+        fmt = get_format(cache_format)
+        if fmt.needs_tensor_scale and kv_scale is None:
+            raise InputError(f"cache format {cache_format} needs kv_scale")
+        q8 = q_scale is not None
+        request = dict(op="qkv", q_out="fp8" if q8 else "io", head_dim=head_dim, rope_dim=rope_dim,
+                       cache_format=cache_format, io=ops.IO_DTYPES[dtype], config=config)
+        arch, _ = ops.device_target(device)
+        dispatch.select_variant(arch=arch, op="qkv", head_dim=head_dim, rope_dim=rope_dim, cache_format=cache_format,
+                                io_dtype=ops.IO_DTYPES[dtype], q_out=request["q_out"])  # UnsupportedError early
+        self.fns = ops.kernels_by_bucket(device, **request)
+        self.errors = ops.errors_buffer(device)
+        self.h, self.p, self.head_dim, self.block_size, self.eps = num_heads, p, head_dim, block_size, float(eps)
+        self.cache_format, self.dtype, self.device, self.checked = cache_format, dtype, device, 1 if checked else 0
+        self.kv_scale, self.q_scale = kv_scale, q_scale
+        self.bytes_per_token = fmt.bytes_per_token(head_dim)
+        self.in_place = pool is None
+        if self.in_place:
+            if p != num_heads:
+                raise ScratchError(f"padded_heads={p} > num_heads={num_heads} needs a ScratchPool (Q cannot be padded in place)")
+            if q8:
+                raise ScratchError("an FP8 q_out needs a ScratchPool (FP8 Q cannot be written in place)")
+            self.buffers = []
+            self.capacity = None
+        else:
+            out_dtype = torch.float8_e4m3fn if q8 else dtype
+            self.buffers = [
+                pool.claim(num_heads, padded_heads=p, head_dim=head_dim, dtype=out_dtype, micro_batch=mb, device=device)
+                for mb in range(micro_batches)
+            ]
+            if q8:
+                self.buffers = [b.view(torch.uint8) for b in self.buffers]
+            self.capacity = min(b.shape[0] for b in self.buffers)
+            self.views = [dict() for _ in self.buffers]
+            self.pool = pool
+        self._k_cache = None
+
+    def __call__(self, q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, *, micro_batch: int = 0):
+        """Run the op; returns q_out: [N, P, D] (a scratch view), or q_in itself when written in place."""
+        n = q_in.shape[0]
+        if kv.shape[0] != n or positions.shape[0] != n or slot_mapping.shape[0] > n or k_cache is not self._k_cache:
+            self._full_check(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch)
+        if self.in_place:
+            out = q_in
+        else:
+            if n > self.capacity:
+                raise ScratchError(f"{n} tokens exceed the {self.capacity} reserved in the scratch pool (locked: "
+                                   f"{self.pool.locked}); reserve max_num_batched_tokens at profile time")
+            out = self.buffers[micro_batch]
+        if n == 0:
+            return out[:0]
+        fn = self.fns[min((n - 1).bit_length(), ops.MAX_BUCKET_LOG2)]
+        try:
+            if self.kv_scale is None and self.q_scale is None:
+                fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, self.errors, self.eps,
+                   self.block_size, self.h, self.checked)
+            else:
+                extra = [t for t in (self.kv_scale, self.q_scale) if t is not None]
+                fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, *extra, self.errors, self.eps,
+                   self.block_size, self.h, self.checked)
+        except Exception as exc:
+            self._full_check(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch)
+            raise InputError(f"kernel argument check failed: {exc}") from exc
+        if self.in_place:
+            return out
+        views = self.views[micro_batch]
+        v = views.get(n)
+        if v is None:
+            v = views[n] = self.pool.view(n, padded_heads=self.p, head_dim=self.head_dim,
+                                          dtype=torch.float8_e4m3fn if self.q_scale is not None else self.dtype,
+                                          micro_batch=micro_batch, device=self.device)
+        return v
+
+    def _full_check(self, q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch):
+        if not 0 <= micro_batch < max(1, len(self.buffers)):
+            raise InputError(f"micro_batch={micro_batch} but {len(self.buffers)} micro-batch buffers are bound")
+        if q_in.dim() != 3 or q_in.shape[1] != self.h:
+            raise InputError(f"q_in must be [N, {self.h}, {self.head_dim}] for this bound op, got {tuple(q_in.shape)}")
+        n = q_in.shape[0]
+        if self.in_place:
+            q_out = q_in
+        else:
+            if n > self.capacity:
+                raise ScratchError(f"{n} tokens exceed the {self.capacity} reserved in the scratch pool")
+            q_out = self.buffers[micro_batch][: max(n, 1)]
+            if self.q_scale is not None:
+                q_out = q_out.view(torch.float8_e4m3fn)
+        ops.check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, self.eps, self.block_size,
+                      self.cache_format, q_scale=self.q_scale, kv_scale=self.kv_scale)
+        self._k_cache = k_cache
+
+
+def bind(**kwargs) -> BoundOp:
+    """Bind qnorm_rope_kv_insert for one layer (see BoundOp for the arguments)."""
+    return BoundOp(**kwargs)
