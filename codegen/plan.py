@@ -63,6 +63,7 @@ def signature(v: Variant) -> list[Argument]:
     if v.op is Op.QKV:
         args.append(Argument("n_write_heads", "Int32", "Int32(64)"))
     args.append(Argument("checked", "Int32", "Int32(0)"))
+    args.append(Argument("max_ctas", "Int32", "Int32(0)"))  # grid cap of persistent configs (SMs x CTAs per SM)
     return args
 
 

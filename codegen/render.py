@@ -38,7 +38,7 @@ def render_registry(variants: list[Variant]) -> str:
     sig_ids, signatures = {}, {}
     for v in variants:
         args = make_plan(v)["arguments"]
-        sid = "+".join(a for a in args if a not in ("errors", "checked"))
+        sid = "+".join(a for a in args if a not in ("errors", "checked", "max_ctas"))
         signatures[sid] = args
         sig_ids[v.name] = sid
     return _tidy(

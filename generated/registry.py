@@ -263,14 +263,14 @@ VARIANTS = {
 
 # signature -> run-time arguments of the compiled function, in order (the module's ARGUMENTS)
 SIGNATURES = {
-    "kv+k_cache+slot_mapping+positions+cos_sin_cache+block_size": ('kv', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'errors', 'block_size', 'checked'),
-    "kv+k_cache+slot_mapping+positions+cos_sin_cache+kv_scale+block_size": ('kv', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'kv_scale', 'errors', 'block_size', 'checked'),
-    "kv+norm_weight+k_cache+slot_mapping+positions+cos_sin_cache+eps+block_size": ('kv', 'norm_weight', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'errors', 'eps', 'block_size', 'checked'),
-    "kv+norm_weight+k_cache+slot_mapping+positions+cos_sin_cache+kv_scale+eps+block_size": ('kv', 'norm_weight', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'kv_scale', 'errors', 'eps', 'block_size', 'checked'),
-    "q_in+kv+q_out+k_cache+slot_mapping+positions+cos_sin_cache+eps+block_size+n_write_heads": ('q_in', 'kv', 'q_out', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'errors', 'eps', 'block_size', 'n_write_heads', 'checked'),
-    "q_in+kv+q_out+k_cache+slot_mapping+positions+cos_sin_cache+kv_scale+eps+block_size+n_write_heads": ('q_in', 'kv', 'q_out', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'kv_scale', 'errors', 'eps', 'block_size', 'n_write_heads', 'checked'),
-    "q_in+kv+q_out+k_cache+slot_mapping+positions+cos_sin_cache+kv_scale+q_scale+eps+block_size+n_write_heads": ('q_in', 'kv', 'q_out', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'kv_scale', 'q_scale', 'errors', 'eps', 'block_size', 'n_write_heads', 'checked'),
-    "q_in+kv+q_out+k_cache+slot_mapping+positions+cos_sin_cache+q_scale+eps+block_size+n_write_heads": ('q_in', 'kv', 'q_out', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'q_scale', 'errors', 'eps', 'block_size', 'n_write_heads', 'checked'),
+    "kv+k_cache+slot_mapping+positions+cos_sin_cache+block_size": ('kv', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'errors', 'block_size', 'checked', 'max_ctas'),
+    "kv+k_cache+slot_mapping+positions+cos_sin_cache+kv_scale+block_size": ('kv', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'kv_scale', 'errors', 'block_size', 'checked', 'max_ctas'),
+    "kv+norm_weight+k_cache+slot_mapping+positions+cos_sin_cache+eps+block_size": ('kv', 'norm_weight', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'errors', 'eps', 'block_size', 'checked', 'max_ctas'),
+    "kv+norm_weight+k_cache+slot_mapping+positions+cos_sin_cache+kv_scale+eps+block_size": ('kv', 'norm_weight', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'kv_scale', 'errors', 'eps', 'block_size', 'checked', 'max_ctas'),
+    "q_in+kv+q_out+k_cache+slot_mapping+positions+cos_sin_cache+eps+block_size+n_write_heads": ('q_in', 'kv', 'q_out', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'errors', 'eps', 'block_size', 'n_write_heads', 'checked', 'max_ctas'),
+    "q_in+kv+q_out+k_cache+slot_mapping+positions+cos_sin_cache+kv_scale+eps+block_size+n_write_heads": ('q_in', 'kv', 'q_out', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'kv_scale', 'errors', 'eps', 'block_size', 'n_write_heads', 'checked', 'max_ctas'),
+    "q_in+kv+q_out+k_cache+slot_mapping+positions+cos_sin_cache+kv_scale+q_scale+eps+block_size+n_write_heads": ('q_in', 'kv', 'q_out', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'kv_scale', 'q_scale', 'errors', 'eps', 'block_size', 'n_write_heads', 'checked', 'max_ctas'),
+    "q_in+kv+q_out+k_cache+slot_mapping+positions+cos_sin_cache+q_scale+eps+block_size+n_write_heads": ('q_in', 'kv', 'q_out', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'q_scale', 'errors', 'eps', 'block_size', 'n_write_heads', 'checked', 'max_ctas'),
 }
 
 # arch family -> compile targets

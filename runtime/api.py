@@ -92,15 +92,15 @@ class BoundOp:
             out = self.buffers[micro_batch]
         if n == 0:
             return out[:0]
-        fn = self.fns[min((n - 1).bit_length(), ops.MAX_BUCKET_LOG2)]
+        fn, max_ctas = self.fns[min((n - 1).bit_length(), ops.MAX_BUCKET_LOG2)]
         try:
             if self.kv_scale is None and self.q_scale is None:
                 fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, self.errors, self.eps,
-                   self.block_size, self.h, self.checked)
+                   self.block_size, self.h, self.checked, max_ctas)
             else:
                 extra = [t for t in (self.kv_scale, self.q_scale) if t is not None]
                 fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, *extra, self.errors, self.eps,
-                   self.block_size, self.h, self.checked)
+                   self.block_size, self.h, self.checked, max_ctas)
         except Exception as exc:
             self._full_check(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch)
             raise InputError(f"kernel argument check failed: {exc}") from exc

@@ -247,10 +247,10 @@ def host_overhead_us(shape: Shape, calls: int = 2000) -> dict:
     args = (s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], 1e-6,
             shape.block_size, shape.cache_format)
     ops.qnorm_rope_kv_insert(*args)
-    fn = ops._fast_qkv[next(iter(ops._fast_qkv))][0][0]
+    fn, max_ctas = ops._fast_qkv[next(iter(ops._fast_qkv))][0][0]
     errors = ops.errors_buffer(s["q_in"].device)
     raw = (s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], errors,
-           1e-6, shape.block_size, shape.p, 0)
+           1e-6, shape.block_size, shape.p, 0, max_ctas)
 
     def timed(call) -> float:
         for _ in range(100):
@@ -265,8 +265,17 @@ def host_overhead_us(shape: Shape, calls: int = 2000) -> dict:
             torch.cuda.synchronize()
         return statistics.median(samples)
 
+    from . import api, scratch
+
+    pool = scratch.ScratchPool()
+    pool.reserve(max_tokens=shape.n, padded_heads=shape.p, head_dim=shape.head_dim, micro_batches=1)
+    pool.lock()
+    bound = api.bind(num_heads=shape.h, padded_heads=shape.p, head_dim=shape.head_dim, rope_dim=shape.rope_dim,
+                     cache_format=shape.cache_format, block_size=shape.block_size, pool=pool)
+    bargs = (s["q_in"], s["kv"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"])
     out = {
         "median_us": timed(lambda: ops.qnorm_rope_kv_insert(*args)),
+        "bound_op_us": timed(lambda: bound(*bargs)),
         "bare_tvm_ffi_call_us": timed(lambda: fn(*raw)),
     }
     try:

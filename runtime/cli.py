@@ -110,8 +110,9 @@ def cmd_bench(args) -> int:
     print()
     print(bench.print_table(results))
     host = bench.host_overhead_us(bench.Shape(n=1))
-    print(f"\nhost overhead per eager call (T=1, whole Python path): {host['median_us']:.2f} us; "
-          f"bare TVM-FFI call {host['bare_tvm_ffi_call_us']:.2f} us; through torch.ops: {host['torch_ops_call_us']}")
+    print(f"\nhost overhead per eager call (T=1, whole Python path): bound op {host['bound_op_us']:.2f} us; "
+          f"one-call function {host['median_us']:.2f} us; bare TVM-FFI call {host['bare_tvm_ffi_call_us']:.2f} us; "
+          f"through torch.ops {host['torch_ops_call_us']:.2f} us")
     meta = {
         "device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(), "dsl": compiler.dsl_versions(),

@@ -17,24 +17,33 @@ class LaunchConfig:
     passes_per_warp: int = 1  # passes (32 / lanes-per-row rows each) a warp loads before it computes
     pdl: bool = True  # programmatic dependent launch: griddepcontrol.wait / launch_dependents
     non_coherent: bool = True  # read-only loads through ld.global.nc
+    ctas_per_sm: int = 0  # 0: one warp per pass group (grid covers all); k: grid <= k x SMs, warps stride
 
     def __post_init__(self):
         if self.warps_per_cta not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"warps_per_cta must be a power of two in 1..32, got {self.warps_per_cta}")
         if self.passes_per_warp not in (1, 2, 4):
             raise ValueError(f"passes_per_warp must be 1, 2 or 4, got {self.passes_per_warp}")
+        if not 0 <= self.ctas_per_sm <= 64:
+            raise ValueError(f"ctas_per_sm must be in 0..64, got {self.ctas_per_sm}")
+
+    @property
+    def persistent(self) -> bool:
+        """Compile the grid-stride loop (the grid is capped at run time by max_ctas)."""
+        return self.ctas_per_sm > 0
 
     @property
     def key(self) -> str:
         """Stable string form, used in kernel-cache keys and tuning databases."""
-        return f"w{self.warps_per_cta}_u{self.passes_per_warp}_pdl{int(self.pdl)}_nc{int(self.non_coherent)}"
+        k = f"w{self.warps_per_cta}_u{self.passes_per_warp}_pdl{int(self.pdl)}_nc{int(self.non_coherent)}"
+        return k + (f"_c{self.ctas_per_sm}" if self.ctas_per_sm else "")
 
     @classmethod
     def from_key(cls, key: str) -> "LaunchConfig":
-        m = re.fullmatch(r"w(\d+)_u(\d+)_pdl([01])_nc([01])", key)
+        m = re.fullmatch(r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?", key)
         if not m:
             raise ValueError(f"not a launch-config key: {key!r}")
-        return cls(int(m.group(1)), int(m.group(2)), bool(int(m.group(3))), bool(int(m.group(4))))
+        return cls(int(m.group(1)), int(m.group(2)), bool(int(m.group(3))), bool(int(m.group(4))), int(m.group(5) or 0))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,9 +56,10 @@ class LaunchConfig:
 def all_configs() -> list[LaunchConfig]:
     """Every config the template supports (the tuner prunes from these)."""
     return [
-        LaunchConfig(w, u, pdl, nc)
+        LaunchConfig(w, u, pdl, nc, c)
         for w in (1, 2, 4, 8, 16, 32)
         for u in (1, 2, 4)
         for pdl in (True, False)
         for nc in (True, False)
+        for c in (0, 4, 8, 16)
     ]

@@ -46,6 +46,21 @@ def errors_buffer(device: torch.device) -> torch.Tensor:
     return buf
 
 
+_sm_counts: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _sm_counts.get(idx)
+    if n is None:
+        n = _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
+def target_device(target: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def device_target(device: torch.device) -> tuple[str, str]:
     major, minor = torch.cuda.get_device_capability(device)
     return dispatch.target_for_capability(major, minor)
@@ -61,8 +76,10 @@ class Kernel:
         self.key = KernelKey(variant, config, target)
         self.fn = (cache or default_cache()).load(self.key)
         self.signature = self.info.signature
+        self.max_ctas = config.ctas_per_sm * sm_count(target_device(target)) if config.ctas_per_sm else 0
 
     def __call__(self, **arguments) -> None:
+        arguments.setdefault("max_ctas", self.max_ctas)
         self.fn(*[arguments[name] for name in self.signature])
 
     def __repr__(self) -> str:
@@ -284,8 +301,8 @@ def kernel_for(device: torch.device, *, op: str, q_out: str, head_dim: int, rope
 
 
 def kernels_by_bucket(device, **request) -> list:
-    """The kernel function for every token-count bucket (index = ceil(log2(n)))."""
-    return [kernel_for(device, n_tokens=1 << i, **request).fn for i in range(MAX_BUCKET_LOG2 + 1)]
+    """(kernel function, max_ctas) for every token-count bucket (index = ceil(log2(n)))."""
+    return [(k.fn, k.max_ctas) for k in (kernel_for(device, n_tokens=1 << i, **request) for i in range(MAX_BUCKET_LOG2 + 1))]
 
 
 _fast_qkv: dict[tuple, tuple] = {}
@@ -323,19 +340,19 @@ def qnorm_rope_kv_insert(
         fns, errors, bpt, needs_scale = _fast_qkv.setdefault(key, _bind_qkv(q_in, cos_sin_cache, cache_format, q_scale is not None, config, conversions))
     if n == 0:
         return
-    fn = fns[min((n - 1).bit_length(), MAX_BUCKET_LOG2)]
+    fn, max_ctas = fns[min((n - 1).bit_length(), MAX_BUCKET_LOG2)]
     out = q_out if q_scale is None else q_out.view(torch.uint8)
     nwh = p if write_pad_heads else h
     try:
         if kv_scale is None:
             if q_scale is None:
-                fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, nwh, 1 if checked else 0)
+                fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, nwh, 1 if checked else 0, max_ctas)
             else:
-                fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, nwh, 1 if checked else 0)
+                fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, nwh, 1 if checked else 0, max_ctas)
         elif q_scale is None:
-            fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, errors, eps, block_size, nwh, 1 if checked else 0)
+            fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, errors, eps, block_size, nwh, 1 if checked else 0, max_ctas)
         else:
-            fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale, errors, eps, block_size, nwh, 1 if checked else 0)
+            fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale, errors, eps, block_size, nwh, 1 if checked else 0, max_ctas)
     except Exception as exc:  # TVM-FFI refused an argument before launching: say precisely which
         check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
                   q_scale=q_scale, kv_scale=kv_scale)

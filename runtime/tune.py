@@ -20,7 +20,7 @@ from . import bench, dispatch
 from .launch import LaunchConfig, all_configs  # noqa: F401  (all_configs: the --space full option)
 
 DEFAULT_SPACE = [
-    LaunchConfig(w, u, True, nc) for w in (1, 2, 4, 8, 16) for u in (1, 2, 4) for nc in (True, False)
+    LaunchConfig(w, u, True, nc, c) for w in (2, 4, 8, 16) for u in (1, 2) for nc in (True, False) for c in (0, 8, 16)
 ]
 
 

@@ -594,3 +594,31 @@ def test_decode_overflow_near_float32_max():
     assert data[0, 0].item() == 0x78 and scale[0, 0].item() == 247
     vals, _ = codecs.decode_tokens(get_format("fp8_ds_mla"), data, scale, 512)
     assert vals[0, 0].item() == INF
+
+
+def test_kv_values_are_rounded_before_quantization():
+    """spec/op.md KV step 3: the rotated values are rounded through the I/O dtype (bf16) and the
+    quantizer sees the rounded values. mxfp8 quantizes the rope dims, so a double rounding is
+    visible: pair 0 of the rope (dims 448, 449) = (1.0, 0) with cos = c = 1.0625 + 2^-20 and
+    sin = 0 gives even' = 1.0 * c - 0 * 0 = c exactly (both orders).
+      rounded:   bf16(c) = 1.0625 (1 + 2^-4; 2^-20 is far below half a bf16 ulp);
+                 block 14 (dims 448..479) amax 1.0625 -> 1.0625/448 = 0.00237 -> log2 = -8.72
+                 -> e = -8 -> byte 119; 1.0625 * 256 = 272: tie between 256 (M=0) and 288
+                 (M=1) -> even -> 256 = 2^8 -> 0 1111 000 = 0x78.
+      unrounded: c * 256 = 272 + 2^-12 -> above the tie -> 288 -> 0x79 (what a missing rounding
+                 would store)."""
+    d, r, bs = 512, 64, 1
+    c = 1.0625 + 2.0**-20
+    cs = torch.zeros(1, r, dtype=torch.float32)
+    cs[0, : r // 2] = 1.0
+    cs[0, 0] = c  # cos of pair 0; every sin 0
+    assert cs[0, 0].item() == c  # c is a float32
+    kv = torch.zeros(1, d, dtype=torch.bfloat16)
+    kv[0, 448] = 1.0
+    for order in ("kernel", "eager"):
+        cache = torch.full((1, 528 + 16), 0xA5, dtype=torch.uint8)
+        ref.kv_rope_insert(kv, cache, torch.tensor([0]), torch.tensor([0]), cs, bs, "mxfp8",
+                           order=order)
+        assert cache[0, 448].item() == 0x78
+        assert cache[0, 449].item() == 0x00
+        assert cache[0, 512 + 14].item() == 119

@@ -626,6 +626,8 @@ def test_qnorm_rope_kv_insert_contract(case):
     # cache: rows t < M with slot >= 0 only, at their records (per-row oracle loop)
     slots = o["slots"].tolist()
     vals = ref.kv_values(o["kv"][: len(slots)], o["positions"][: len(slots)], o["cs"], order=order)
+    # KV step 3: the values the cache encodes are I/O-dtype numbers (rounded after RoPE)
+    assert torch.equal(vals, vals.to(dtype).to(torch.float32))
     data, scale = codecs.encode_tokens(get_format(name), vals, o["kv_scale"])
     assert torch.equal(o["base"], oracle_cache(o["cache_before"], name, d, o["bs"], slots, data,
                                                scale))
@@ -752,3 +754,76 @@ def test_fp16_io(name):
         s = (blk_amax * (1 + 2.0**-9) / 3).expand(-1, -1, 32).reshape(-1, 128)
         bound = s + ulp_of(kv_want, torch.float16) + 2.0**-18
         assert ((dec.double() - kv_want).abs() <= bound).all()
+
+
+# =============================================================================================
+# order="kernel": a scalar re-implementation of the documented operation order, bit for bit
+# =============================================================================================
+def _f32(x: float) -> float:
+    """One float32 rounding of a double. For +, -, *, / and sqrt of float32 operands, computing
+    in double then rounding once is the correctly rounded float32 result (53 >= 2 * 24 + 2)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def _fma32(a: float, b: float, c: float) -> float:
+    return _fma_oracle(a, b, c)  # exact rational a*b + c, one rounding
+
+
+def _q_kernel_order_scalar(x: list[float], eps: float, cos: list[float], sin: list[float],
+                           r: int) -> list[float]:
+    """Q path in the kernels' order (reference.py docstring): lanes = min(32, D/8); vector v (8
+    elements) of a row belongs to lane v % lanes and each lane walks its vectors in order with
+    fma(x, x, acc); then an xor butterfly (1, 2, 4, ...) over the lanes; mean = sum / D;
+    rsqrt as IEEE sqrt then IEEE division; x * inv; RoPE even' = fma(e, c, -(o*s)),
+    odd' = fma(e, s, o*c)."""
+    d = len(x)
+    lanes = min(32, d // 8)
+    acc = [0.0] * lanes
+    for v in range(d // 8):
+        for k in range(8):
+            e = x[v * 8 + k]
+            acc[v % lanes] = _fma32(e, e, acc[v % lanes])
+    step = 1
+    while step < lanes:
+        acc = [_f32(acc[i] + acc[i ^ step]) for i in range(lanes)]
+        step *= 2
+    ms = _f32(_f32(acc[0] / d) + _f32(eps))
+    inv = _f32(1.0 / _f32(math.sqrt(ms)))
+    y = [_f32(v * inv) for v in x]
+    return _rope_kernel_order_scalar(y, cos, sin, r)
+
+
+def _rope_kernel_order_scalar(y: list[float], cos, sin, r) -> list[float]:
+    d = len(y)
+    out = list(y)
+    for i in range(r // 2):
+        e, o = y[d - r + 2 * i], y[d - r + 2 * i + 1]
+        c, s = cos[i], sin[i]
+        out[d - r + 2 * i] = _fma32(e, c, -_f32(o * s))
+        out[d - r + 2 * i + 1] = _fma32(e, s, _f32(o * c))
+    return out
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(st.sampled_from([(128, 64), (512, 64), (256, 32)]), st.integers(1, 2), st.integers(1, 2),
+       st.sampled_from([torch.bfloat16, torch.float16]), st.integers(-4, 4),
+       st.sampled_from([1e-6, 1e-5, 0.1]), st.integers(0, 2**31 - 1))
+def test_kernel_order_matches_scalar_oracle(dr, n, h, dtype, log_scale, eps, seed):
+    d, r = dr
+    g = torch.Generator().manual_seed(seed)
+    q_in = (torch.randn(n, h, d, generator=g) * 2.0**log_scale).to(dtype)
+    kv = (torch.randn(n, d, generator=g) * 2.0**log_scale).to(dtype)
+    positions = torch.randint(0, 512, (n,), generator=g)
+    cs = make_cos_sin(512, r)
+    q = ref.q_values(q_in, positions, cs, eps, order="kernel")
+    kvv = ref.kv_values(kv, positions, cs, order="kernel")
+    for t in range(n):
+        cos = cs[positions[t], : r // 2].tolist()
+        sin = cs[positions[t], r // 2:].tolist()
+        for hh in range(h):
+            want = _q_kernel_order_scalar(q_in[t, hh].float().tolist(), eps, cos, sin, r)
+            got = q[t, hh].tolist()
+            assert [bits_from_f32(v) for v in got] == [bits_from_f32(v) for v in want], (t, hh)
+        kv_want = _rope_kernel_order_scalar(kv[t].float().tolist(), cos, sin, r)
+        kv_want = torch.tensor(kv_want, dtype=torch.float32).to(dtype).to(torch.float32)
+        assert torch.equal(kvv[t].view(torch.int32), kv_want.view(torch.int32))

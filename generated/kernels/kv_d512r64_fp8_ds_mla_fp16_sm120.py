@@ -21,7 +21,7 @@ ARCH_FAMILY = "sm120"
 CONVERSIONS = "native"
 TARGETS = ('sm_120a', 'sm_121a')
 # Run-time arguments of the compiled function, in order (the stream is the current torch stream).
-ARGUMENTS = ('kv', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'errors', 'block_size', 'checked')
+ARGUMENTS = ('kv', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'errors', 'block_size', 'checked', 'max_ctas')
 
 # ---- shapes (compile-time) --------------------------------------------------------------------
 HEAD_DIM = 512
@@ -62,7 +62,7 @@ def ue8m0_byte(r: Float32) -> Uint32:
 # many of the 48-188 SMs and still reach 48 warps per SM (24 CTAs). Untuned: no SM120 GPU was
 # available.
 # Parts: GB10 (DGX Spark) 48 SMs 2.3 B/clk/SM; RTX 5090 170 SMs 4.4 B/clk/SM; RTX PRO 6000 Blackwell 188 SMs 3.7 B/clk/SM.
-DEFAULT_CONFIG = {'warps_per_cta': 2, 'passes_per_warp': 1, 'pdl': True, 'non_coherent': True}
+DEFAULT_CONFIG = {'warps_per_cta': 2, 'passes_per_warp': 1, 'pdl': True, 'non_coherent': True, 'ctas_per_sm': 0}
 # ---- end launch defaults -----------------------------------------------------------------------
 
 
@@ -84,6 +84,7 @@ class Kernel:
         errors: cute.Tensor,
         block_size: Int32,
         checked: Int32,
+        max_ctas: Int32,
         stream: cuda.CUstream,
     ):
         per_warp = self.cfg.passes_per_warp
@@ -92,6 +93,9 @@ class Kernel:
         passes = q_passes + kv_passes
         warps = self.cfg.warps_per_cta
         n_warps = (passes + (per_warp - 1)) // per_warp
+        grid = (n_warps + (warps - 1)) // warps
+        if const_expr(self.cfg.persistent):
+            grid = cutlass.min(grid, max_ctas)  # warps then stride over the passes
         self.kernel(
             kv,
             k_cache,
@@ -101,10 +105,11 @@ class Kernel:
             errors,
             block_size,
             checked,
+            max_ctas,
             q_passes,
             passes,
         ).launch(
-            grid=[(n_warps + (warps - 1)) // warps, 1, 1],
+            grid=[grid, 1, 1],
             block=[32 * warps, 1, 1],
             stream=stream,
             use_pdl=self.cfg.pdl,
@@ -121,6 +126,7 @@ class Kernel:
         errors: cute.Tensor,
         block_size: Int32,
         checked: Int32,
+        max_ctas: Int32,
         q_passes: Int32,
         passes: Int32,
     ):
@@ -129,7 +135,34 @@ class Kernel:
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_wait()
         lane = tidx % 32
-        p = (bidx * self.cfg.warps_per_cta + tidx // 32) * self.cfg.passes_per_warp  # this warp's first pass
+        first = (bidx * self.cfg.warps_per_cta + tidx // 32) * self.cfg.passes_per_warp  # this warp's first pass
+        if const_expr(self.cfg.persistent):
+            stride = cute.arch.grid_dim()[0] * self.cfg.warps_per_cta * self.cfg.passes_per_warp
+            for p in cutlass.range(first, passes, stride):
+                self.one_pass(p, lane, kv, k_cache, slot_mapping, positions, cos_sin_cache, errors, block_size, checked, max_ctas, q_passes, passes)
+        else:
+            self.one_pass(first, lane, kv, k_cache, slot_mapping, positions, cos_sin_cache, errors, block_size, checked, max_ctas, q_passes, passes)
+        if const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def one_pass(
+        self,
+        p: Int32,
+        lane: Int32,
+        kv: cute.Tensor,
+        k_cache: cute.Tensor,
+        slot_mapping: cute.Tensor,
+        positions: cute.Tensor,
+        cos_sin_cache: cute.Tensor,
+        errors: cute.Tensor,
+        block_size: Int32,
+        checked: Int32,
+        max_ctas: Int32,
+        q_passes: Int32,
+        passes: Int32,
+    ):
+        """The passes p .. p + passes_per_warp - 1 of one warp: Q rows first, then KV rows."""
         if p < passes:
             self.kv_pass(
                 p - q_passes,
@@ -143,8 +176,6 @@ class Kernel:
                 block_size,
                 checked,
             )
-        if const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def load_tail_cos_sin(self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32):
@@ -252,6 +283,7 @@ def fake_arguments():
         make_fake_compact_tensor(Float32, (cute.sym_int32(), ROPE_DIM), stride_order=(1, 0), assumed_align=16),
         make_fake_compact_tensor(Int32, (2,), assumed_align=4),
         Int32(64),
+        Int32(0),
         Int32(0),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )

@@ -21,7 +21,7 @@ ARCH_FAMILY = "sm100"
 CONVERSIONS = "portable"
 TARGETS = ('sm_100a',)
 # Run-time arguments of the compiled function, in order (the stream is the current torch stream).
-ARGUMENTS = ('q_in', 'kv', 'q_out', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'q_scale', 'errors', 'eps', 'block_size', 'n_write_heads', 'checked')
+ARGUMENTS = ('q_in', 'kv', 'q_out', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'q_scale', 'errors', 'eps', 'block_size', 'n_write_heads', 'checked', 'max_ctas')
 
 # ---- shapes (compile-time) --------------------------------------------------------------------
 HEAD_DIM = 128
@@ -74,7 +74,7 @@ def e2m1_pack8(y) -> Uint32:
 # B200: 8 TB/s over 148 SMs is ~28 B/clock/SM (~19 KB in flight per SM, >= 19 warps of 1 KB);
 # 4-warp CTAs reach the 64-warp occupancy limit. Untuned: no SM100 GPU was available.
 # Parts: B200 148 SMs 27.5 B/clk/SM.
-DEFAULT_CONFIG = {'warps_per_cta': 4, 'passes_per_warp': 1, 'pdl': True, 'non_coherent': True}
+DEFAULT_CONFIG = {'warps_per_cta': 4, 'passes_per_warp': 1, 'pdl': True, 'non_coherent': True, 'ctas_per_sm': 0}
 # ---- end launch defaults -----------------------------------------------------------------------
 
 
@@ -101,6 +101,7 @@ class Kernel:
         block_size: Int32,
         n_write_heads: Int32,
         checked: Int32,
+        max_ctas: Int32,
         stream: cuda.CUstream,
     ):
         per_warp = self.cfg.passes_per_warp
@@ -111,6 +112,9 @@ class Kernel:
         passes = q_passes + kv_passes
         warps = self.cfg.warps_per_cta
         n_warps = (passes + (per_warp - 1)) // per_warp
+        grid = (n_warps + (warps - 1)) // warps
+        if const_expr(self.cfg.persistent):
+            grid = cutlass.min(grid, max_ctas)  # warps then stride over the passes
         self.kernel(
             q_in,
             kv,
@@ -125,10 +129,11 @@ class Kernel:
             block_size,
             n_write_heads,
             checked,
+            max_ctas,
             q_passes,
             passes,
         ).launch(
-            grid=[(n_warps + (warps - 1)) // warps, 1, 1],
+            grid=[grid, 1, 1],
             block=[32 * warps, 1, 1],
             stream=stream,
             use_pdl=self.cfg.pdl,
@@ -150,6 +155,7 @@ class Kernel:
         block_size: Int32,
         n_write_heads: Int32,
         checked: Int32,
+        max_ctas: Int32,
         q_passes: Int32,
         passes: Int32,
     ):
@@ -158,7 +164,39 @@ class Kernel:
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_wait()
         lane = tidx % 32
-        p = (bidx * self.cfg.warps_per_cta + tidx // 32) * self.cfg.passes_per_warp  # this warp's first pass
+        first = (bidx * self.cfg.warps_per_cta + tidx // 32) * self.cfg.passes_per_warp  # this warp's first pass
+        if const_expr(self.cfg.persistent):
+            stride = cute.arch.grid_dim()[0] * self.cfg.warps_per_cta * self.cfg.passes_per_warp
+            for p in cutlass.range(first, passes, stride):
+                self.one_pass(p, lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, n_write_heads, checked, max_ctas, q_passes, passes)
+        else:
+            self.one_pass(first, lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, n_write_heads, checked, max_ctas, q_passes, passes)
+        if const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def one_pass(
+        self,
+        p: Int32,
+        lane: Int32,
+        q_in: cute.Tensor,
+        kv: cute.Tensor,
+        q_out: cute.Tensor,
+        k_cache: cute.Tensor,
+        slot_mapping: cute.Tensor,
+        positions: cute.Tensor,
+        cos_sin_cache: cute.Tensor,
+        q_scale: cute.Tensor,
+        errors: cute.Tensor,
+        eps: Float32,
+        block_size: Int32,
+        n_write_heads: Int32,
+        checked: Int32,
+        max_ctas: Int32,
+        q_passes: Int32,
+        passes: Int32,
+    ):
+        """The passes p .. p + passes_per_warp - 1 of one warp: Q rows first, then KV rows."""
         if p < q_passes:
             self.q_pass(p, lane, q_in, q_out, positions, cos_sin_cache, errors, eps, n_write_heads, checked, q_scale)
         elif p < passes:
@@ -174,8 +212,6 @@ class Kernel:
                 block_size,
                 checked,
             )
-        if const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def load_tail_cos_sin(self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32):
@@ -339,6 +375,7 @@ def fake_arguments():
         Float32(1e-6),
         Int32(64),
         Int32(64),
+        Int32(0),
         Int32(0),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )

@@ -1,0 +1,176 @@
+"""What runs on the H200 (SM90) is what runs on SM100 and SM120, except in declared places.
+
+For every (op, q_out, D, format, dtype), the generated SM120, SM100 and *_portable modules may
+differ from the SM90 module only inside the arch-specific regions: the conversions block, the
+launch-defaults block and the identity lines (VARIANT, ARCH_FAMILY, CONVERSIONS, TARGETS and the
+docstring lines naming the variant and the arch). Everything else must be byte-identical, so
+correctness and performance results measured on SM90 carry over.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from attn_prologue.codegen import generate
+from attn_prologue.codegen.variants import ArchFamily, Conversions, variant_space
+
+KERNELS = generate.default_out_dir() / "kernels"
+
+BLOCKS = {
+    "conversions": (re.compile(r"^# ---- conversions: "), re.compile(r"^# ---- end conversions ")),
+    "launch defaults": (re.compile(r"^# ---- launch defaults: "), re.compile(r"^# ---- end launch defaults ")),
+}
+IDENTITY_LINES = {  # name -> pattern of the whole line; each must occur exactly once
+    "VARIANT": re.compile(r'^VARIANT = "[a-z0-9_]+"$'),
+    "ARCH_FAMILY": re.compile(r'^ARCH_FAMILY = "sm\d+"$'),
+    "CONVERSIONS": re.compile(r'^CONVERSIONS = "(native|portable)"$'),
+    "TARGETS": re.compile(r"^TARGETS = \(('sm_\d+a',\s*)+('sm_\d+a')?\)$"),
+    "docstring arch line": re.compile(r"^Arch family sm\d+ \(targets [sm_0-9a, ]+\), (native|portable) conversions\.$"),
+}
+
+
+def _shape(v):
+    return (v.op.value, v.q_out.value, v.head_dim, v.rope_dim, v.cache_format, v.io_dtype.value)
+
+
+def _modules() -> dict[tuple, dict[tuple[str, str], str]]:
+    out: dict[tuple, dict] = {}
+    for v in variant_space():
+        out.setdefault(_shape(v), {})[(v.arch.value, v.conversions.value)] = v.name
+    return out
+
+
+MODULES = _modules()
+SHAPES = sorted(MODULES)
+
+
+def _text(name: str) -> str:
+    return (KERNELS / f"{name}.py").read_text()
+
+
+def split_regions(name: str) -> tuple[str, dict[str, str]]:
+    """(the module text with every arch-specific region replaced by a placeholder, the regions)."""
+    lines = _text(name).splitlines()
+    regions: dict[str, str] = {}
+    # the docstring's first line names the variant: only the name may differ
+    first = f'"""{name}: '
+    starts = [i for i, line in enumerate(lines) if line.startswith(first)]
+    assert len(starts) == 1, f"{name}: no docstring line starting with {first!r}"
+    lines[starts[0]] = '"""{VARIANT}: ' + lines[starts[0]][len(first):]
+    for label, pattern in IDENTITY_LINES.items():
+        hits = [i for i, line in enumerate(lines) if pattern.match(line)]
+        assert len(hits) == 1, f"{name}: expected one {label} line, found {len(hits)}"
+        regions[label] = lines[hits[0]]
+        lines[hits[0]] = f"<{label}>"
+    for label, (begin, end) in BLOCKS.items():
+        b = [i for i, line in enumerate(lines) if begin.match(line)]
+        e = [i for i, line in enumerate(lines) if end.match(line)]
+        assert len(b) == 1 and len(e) == 1 and b[0] < e[0], f"{name}: the {label} block is not delimited once"
+        regions[label] = "\n".join(lines[b[0] : e[0] + 1])
+        lines[b[0] : e[0] + 1] = [f"<{label}>"]
+    return "\n".join(lines) + "\n", regions
+
+
+def _assert_same_outside_regions(a: str, b: str):
+    shared_a, _ = split_regions(a)
+    shared_b, _ = split_regions(b)
+    if shared_a != shared_b:
+        diff = "\n".join(difflib.unified_diff(shared_a.splitlines(), shared_b.splitlines(), a, b, lineterm="", n=1))
+        pytest.fail(f"{a} and {b} differ outside the arch-specific regions:\n{diff[:4000]}")
+
+
+def test_every_shape_has_an_sm90_sm100_and_sm120_module():
+    assert len(SHAPES) == 64
+    for shape in SHAPES:
+        mods = MODULES[shape]
+        assert ("sm90", "portable") in mods and ("sm100", "native") in mods and ("sm120", "native") in mods, shape
+        assert ("sm90", "native") not in mods
+
+
+OTHERS = [("sm120", "native"), ("sm100", "native"), ("sm120", "portable"), ("sm100", "portable")]
+PAIRS = [(shape, other) for shape in SHAPES for other in OTHERS if other in MODULES[shape]]
+
+
+def test_portable_modules_exist_exactly_for_formats_with_arch_conversions():
+    for shape in SHAPES:
+        has = {other for other in OTHERS if other in MODULES[shape]}
+        expected = set(OTHERS) if shape[4] in ("fp8_ds_mla", "mxfp8", "fp8_token", "mxfp4") else set(OTHERS[:2])
+        assert has == expected, shape
+    assert len(PAIRS) == 64 * 2 + 32 * 2
+
+
+@pytest.mark.parametrize("shape, other", PAIRS, ids=["_".join(map(str, s + o)) for s, o in PAIRS])
+def test_module_equals_sm90_outside_arch_regions(shape, other):
+    mods = MODULES[shape]
+    sm90 = mods[("sm90", "portable")]
+    name = mods[other]
+    _assert_same_outside_regions(sm90, name)
+    _, r90 = split_regions(sm90)
+    _, r = split_regions(name)
+    assert r["VARIANT"] == f'VARIANT = "{name}"'
+    assert r["ARCH_FAMILY"] == f'ARCH_FAMILY = "{other[0]}"'
+    assert r["CONVERSIONS"] == f'CONVERSIONS = "{other[1]}"'
+    assert r["TARGETS"] == f"TARGETS = {ArchFamily(other[0]).targets}"
+    assert f"launch defaults: {other[0]} " in r["launch defaults"]
+    if other[1] == "portable":
+        # a portable module runs exactly the SM90 conversions, under its own arch's launch defaults
+        assert r["conversions"] == r90["conversions"]
+        _, native = split_regions(mods[(other[0], "native")])
+        assert r["launch defaults"] == native["launch defaults"]
+    elif shape[4] in ("bf16", "fp8_tensor"):
+        # no UE8M0/E2M1 conversion is used, so no portable module exists; the block is still native
+        assert "conversions: native" in r["conversions"]
+
+
+def code_strings(block: str) -> str:
+    """The string literals of a conversions block that are code (inline PTX), not docstrings."""
+    tree = ast.parse(block)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.Module)) and node.body and isinstance(node.body[0], ast.Expr)
+    }
+    return "\n".join(
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+    )
+
+
+@pytest.mark.parametrize("family", ["sm120", "sm100"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "_".join(map(str, s)))
+def test_native_conversions_are_the_hardware_ones(shape, family):
+    mods = MODULES[shape]
+    _, native = split_regions(mods[(family, "native")])
+    _, sm90 = split_regions(mods[("sm90", "portable")])
+    code = code_strings(native["conversions"])  # the inline PTX, not the prose around it
+    assert "cvt.rp.satfinite.ue8m0x2.f32" in code
+    assert ("cvt.rn.satfinite.e2m1x2.f32" in code) == (shape[4] == "mxfp4")
+    portable = code_strings(sm90["conversions"])
+    for ptx in ("cvt.rp.satfinite.ue8m0x2.f32", "cvt.rn.satfinite.e2m1x2.f32", "cvt."):
+        assert ptx not in portable
+    assert "inline_ptx" not in sm90["conversions"]
+    assert "conversions: portable" in sm90["conversions"]
+    assert ("e2m1" in sm90["conversions"]) == (shape[4] == "mxfp4")
+
+
+def test_region_splitter_catches_a_difference_outside_the_regions(tmp_path, monkeypatch):
+    """The comparison above can fail: an edit outside the regions is reported, one inside is not."""
+    shape = ("qkv", "io", 128, 64, "mxfp4", "bf16")
+    a, b = MODULES[shape][("sm90", "portable")], MODULES[shape][("sm120", "native")]
+    for n in (a, b):
+        (tmp_path / f"{n}.py").write_text(_text(n))
+    monkeypatch.setattr(sys.modules[__name__], "KERNELS", tmp_path)
+    _assert_same_outside_regions(a, b)
+    inside = _text(b).replace("# ---- end conversions", "X = 1\n# ---- end conversions")
+    (tmp_path / f"{b}.py").write_text(inside)
+    _assert_same_outside_regions(a, b)
+    outside = _text(b).replace("HEAD_DIM = 128", "HEAD_DIM = 128  # tuned for sm120")
+    assert outside != _text(b)
+    (tmp_path / f"{b}.py").write_text(outside)
+    with pytest.raises(pytest.fail.Exception, match="differ outside the arch-specific regions"):
+        _assert_same_outside_regions(a, b)
