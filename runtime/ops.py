@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import dispatch
+from . import dispatch, selftest
 from .errors import InputError, UnsupportedError
 from .formats import get_format
 from .kernel_cache import KernelCache, KernelKey
@@ -290,6 +290,7 @@ def kernel_for(device: torch.device, *, op: str, q_out: str, head_dim: int, rope
     arch, target = device_target(device)
     name = dispatch.select_variant(arch=arch, op=op, head_dim=head_dim, rope_dim=rope_dim, cache_format=cache_format,
                                    io_dtype=io, q_out=q_out, conversions=conversions)
+    name = selftest.resolve(device, name, dispatch.default_config(arch), target)  # first use on this machine
     if config is None:
         config = tuning_table().get((name, min(bucket_of(n_tokens), 1 << MAX_BUCKET_LOG2)), dispatch.default_config(arch))
     key = (device, name, config)

@@ -58,7 +58,10 @@ def rms_inverse(x: torch.Tensor, eps: float, order: str = "kernel") -> torch.Ten
     ms = sum_of_squares(x, order) / x.shape[-1] + eps
     if order == "eager":
         return torch.rsqrt(ms).unsqueeze(-1)
-    return (1.0 / torch.sqrt(ms)).unsqueeze(-1)
+    # IEEE sqrt (sqrt.rn.f32), then IEEE division. torch's eager CPU float32 sqrt is NOT correctly
+    # rounded (off by one ulp for ~20% of inputs on AVX-512 builds); the float64 sqrt rounded to
+    # float32 is (53 >= 2 * 24 + 2 bits makes the double rounding innocuous).
+    return (1.0 / torch.sqrt(ms.double()).to(torch.float32)).unsqueeze(-1)
 
 
 def rope_tail(

@@ -80,7 +80,7 @@ DEFAULT_CONFIG = {'warps_per_cta': 4, 'passes_per_warp': 1, 'pdl': True, 'non_co
 
 class Kernel:
     """`Kernel(config)(*ARGUMENTS, stream)` launches config.passes_per_warp passes per warp over the
-    run-time token count. A pass is ROWS_PER_PASS rows: (token, head) rows of Q, then rows of KV."""
+    run-time token count. A pass is ROWS_PER_PASS rows: rows of KV, then (token, head) rows of Q."""
 
     def __init__(self, config):
         self.cfg = config
@@ -102,9 +102,9 @@ class Kernel:
         stream: cuda.CUstream,
     ):
         per_warp = self.cfg.passes_per_warp
-        q_passes = Int32(0)
         kv_passes = (slot_mapping.shape[0] + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
-        passes = q_passes + kv_passes
+        kv_passes = (kv_passes + (per_warp - 1)) // per_warp * per_warp  # a warp never mixes KV and Q
+        passes = kv_passes
         warps = self.cfg.warps_per_cta
         n_warps = (passes + (per_warp - 1)) // per_warp
         grid = (n_warps + (warps - 1)) // warps
@@ -122,7 +122,7 @@ class Kernel:
             block_size,
             checked,
             max_ctas,
-            q_passes,
+            kv_passes,
             passes,
         ).launch(
             grid=[grid, 1, 1],
@@ -145,7 +145,7 @@ class Kernel:
         block_size: Int32,
         checked: Int32,
         max_ctas: Int32,
-        q_passes: Int32,
+        kv_passes: Int32,
         passes: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -157,9 +157,9 @@ class Kernel:
         if const_expr(self.cfg.persistent):
             stride = cute.arch.grid_dim()[0] * self.cfg.warps_per_cta * self.cfg.passes_per_warp
             for p in cutlass.range(first, passes, stride):
-                self.one_pass(p, lane, kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, checked, max_ctas, q_passes, passes)
+                self.one_pass(p, lane, kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, checked, max_ctas, kv_passes, passes)
         else:
-            self.one_pass(first, lane, kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, checked, max_ctas, q_passes, passes)
+            self.one_pass(first, lane, kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, checked, max_ctas, kv_passes, passes)
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -179,13 +179,14 @@ class Kernel:
         block_size: Int32,
         checked: Int32,
         max_ctas: Int32,
-        q_passes: Int32,
+        kv_passes: Int32,
         passes: Int32,
     ):
-        """The passes p .. p + passes_per_warp - 1 of one warp: Q rows first, then KV rows."""
-        if p < passes:
+        """The passes p .. p + passes_per_warp - 1 of one warp: KV rows first (their warps are the
+        slower ones: start them early, so the grid's tail is uniform Q work), then Q rows."""
+        if p < kv_passes:
             self.kv_pass(
-                p - q_passes,
+                p,
                 lane,
                 kv,
                 k_cache,

@@ -61,7 +61,7 @@ DEFAULT_CONFIG = {'warps_per_cta': 4, 'passes_per_warp': 1, 'pdl': True, 'non_co
 
 class Kernel:
     """`Kernel(config)(*ARGUMENTS, stream)` launches config.passes_per_warp passes per warp over the
-    run-time token count. A pass is ROWS_PER_PASS rows: (token, head) rows of Q, then rows of KV."""
+    run-time token count. A pass is ROWS_PER_PASS rows: rows of KV, then (token, head) rows of Q."""
 
     def __init__(self, config):
         self.cfg = config
@@ -85,11 +85,10 @@ class Kernel:
         stream: cuda.CUstream,
     ):
         per_warp = self.cfg.passes_per_warp
-        q_rows = q_in.shape[0] * n_write_heads
-        q_passes = (q_rows + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
-        q_passes = (q_passes + (per_warp - 1)) // per_warp * per_warp  # a warp never mixes Q and KV
         kv_passes = (slot_mapping.shape[0] + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
-        passes = q_passes + kv_passes
+        kv_passes = (kv_passes + (per_warp - 1)) // per_warp * per_warp  # a warp never mixes KV and Q
+        q_passes = (q_in.shape[0] * n_write_heads + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
+        passes = kv_passes + q_passes
         warps = self.cfg.warps_per_cta
         n_warps = (passes + (per_warp - 1)) // per_warp
         grid = (n_warps + (warps - 1)) // warps
@@ -109,7 +108,7 @@ class Kernel:
             n_write_heads,
             checked,
             max_ctas,
-            q_passes,
+            kv_passes,
             passes,
         ).launch(
             grid=[grid, 1, 1],
@@ -134,7 +133,7 @@ class Kernel:
         n_write_heads: Int32,
         checked: Int32,
         max_ctas: Int32,
-        q_passes: Int32,
+        kv_passes: Int32,
         passes: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -146,9 +145,9 @@ class Kernel:
         if const_expr(self.cfg.persistent):
             stride = cute.arch.grid_dim()[0] * self.cfg.warps_per_cta * self.cfg.passes_per_warp
             for p in cutlass.range(first, passes, stride):
-                self.one_pass(p, lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, n_write_heads, checked, max_ctas, q_passes, passes)
+                self.one_pass(p, lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, n_write_heads, checked, max_ctas, kv_passes, passes)
         else:
-            self.one_pass(first, lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, n_write_heads, checked, max_ctas, q_passes, passes)
+            self.one_pass(first, lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, n_write_heads, checked, max_ctas, kv_passes, passes)
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -170,15 +169,14 @@ class Kernel:
         n_write_heads: Int32,
         checked: Int32,
         max_ctas: Int32,
-        q_passes: Int32,
+        kv_passes: Int32,
         passes: Int32,
     ):
-        """The passes p .. p + passes_per_warp - 1 of one warp: Q rows first, then KV rows."""
-        if p < q_passes:
-            self.q_pass(p, lane, q_in, q_out, positions, cos_sin_cache, errors, eps, n_write_heads, checked)
-        elif p < passes:
+        """The passes p .. p + passes_per_warp - 1 of one warp: KV rows first (their warps are the
+        slower ones: start them early, so the grid's tail is uniform Q work), then Q rows."""
+        if p < kv_passes:
             self.kv_pass(
-                p - q_passes,
+                p,
                 lane,
                 kv,
                 k_cache,
@@ -189,6 +187,8 @@ class Kernel:
                 block_size,
                 checked,
             )
+        elif p < passes:
+            self.q_pass(p - kv_passes, lane, q_in, q_out, positions, cos_sin_cache, errors, eps, n_write_heads, checked)
 
     @cute.jit
     def load_tail_cos_sin(self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32):
