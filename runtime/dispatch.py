@@ -101,6 +101,16 @@ def _explain_miss(req: dict) -> str:
     return f"no kernel variant for {wanted}"
 
 
+def require_shape(head_dim: int, rope_dim: int, cache_format: str) -> None:
+    """UnsupportedError unless some generated variant has these head/rope dims and format."""
+    infos = _tables()[0].values()
+    if any(i.head_dim == head_dim and i.rope_dim == rope_dim and i.cache_format == cache_format for i in infos):
+        return
+    dims = sorted({(i.head_dim, i.rope_dim) for i in infos if i.cache_format == cache_format})
+    raise UnsupportedError(f"no kernel variant for head_dim={head_dim}, rope_dim={rope_dim} with {cache_format}; "
+                           f"generated (D, R): {dims}")
+
+
 def default_config(arch: str) -> LaunchConfig:
     return LaunchConfig.from_key(registry.DEFAULT_CONFIGS[arch])
 

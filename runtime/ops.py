@@ -136,6 +136,10 @@ def check_common(
 ) -> None:
     """Checks shared by every op; n_tokens is the row count positions must have."""
     fmt = get_format(cache_format)
+    if not fmt.supports_head_dim(head_dim, rope_dim):
+        raise UnsupportedError(f"cache format {cache_format} stores D={fmt.head_dim}/R={fmt.rope_dim} records, not "
+                               f"D={head_dim}/R={rope_dim}")
+    dispatch.require_shape(head_dim, rope_dim, cache_format)
     for name, t in (("kv", kv), ("k_cache", k_cache), ("slot_mapping", slot_mapping), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
         _check_cuda(name, t, device)
     _check_rows("kv", kv, 2, head_dim, io_dtype)

@@ -1,0 +1,154 @@
+"""Reliability on the GPU: bad input writes nothing, checked mode never writes outside the cache and
+counts exactly, the first-use self-test falls back on a (injected) mismatch, and 10,000 graph
+replays with changing inputs stay exact without memory growth."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import attn_prologue as ap
+from attn_prologue import ops, reference, selftest
+
+from ..bad_inputs import CASES, CUDA_ONLY, snapshot, unchanged, valid
+
+pytestmark = pytest.mark.gpu
+
+
+def call(args):
+    ap.qnorm_rope_kv_insert(args["q_in"], args["kv"], args["q_out"], args["k_cache"], args["slot_mapping"],
+                            args["positions"], args["cos_sin_cache"], args["eps"], args["block_size"],
+                            args["cache_format"])
+
+
+@pytest.mark.parametrize("name", sorted({**CASES, **CUDA_ONLY}))
+def test_bad_input_on_gpu_raises_and_writes_nothing(name):
+    edit, error = {**CASES, **CUDA_ONLY}[name]
+    args = valid("cuda")
+    call(args)  # the valid call binds the kernel first (the fast path is then what is tested)
+    args = valid("cuda")
+    edit(args)
+    before = snapshot(args)
+    with pytest.raises(error):
+        call(args)
+    torch.cuda.synchronize()
+    assert unchanged(before, args) == []
+
+
+def test_checked_mode_guard_regions_and_exact_count():
+    """The cache is a view in the middle of a larger buffer; out-of-range slots and positions must
+    leave the guard regions (and the cache) untouched apart from the valid rows."""
+    d, bs, blocks, guard = 512, 64, 8, 3
+    g = torch.Generator(device="cuda").manual_seed(77)
+    whole = torch.randint(0, 256, (blocks + 2 * guard, bs * 584), generator=g, device="cuda", dtype=torch.uint8)
+    before = whole.clone()
+    k_cache = whole[guard : guard + blocks]
+    n = 64
+    q_in = torch.randn(n, 8, d, generator=g, device="cuda").bfloat16()
+    kv = torch.randn(n, d, generator=g, device="cuda").bfloat16()
+    q_out = torch.zeros(n, 8, d, device="cuda", dtype=torch.bfloat16)
+    theta = torch.rand(256, 32, generator=g, device="cuda")
+    cs = torch.cat((theta.cos(), theta.sin()), 1).contiguous()
+    slots = torch.randperm(blocks * bs, generator=g, device="cuda")[:n].contiguous()
+    pos = torch.randint(0, 256, (n,), generator=g, device="cuda")
+    bad_slots = {2: blocks * bs, 5: blocks * bs + guard * bs - 1, 11: 10**9}
+    bad_pos = {7: 256, 13: 10**6, 17: -5}
+    for i, v in bad_slots.items():
+        slots[i] = v
+    for i, v in bad_pos.items():
+        pos[i] = v
+    err = ops.errors_buffer(q_in.device)
+    err.zero_()
+    ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs, checked=True)
+    torch.cuda.synchronize()
+    assert err.tolist() == [len(bad_slots) + len(bad_pos), len(bad_pos)]
+    assert torch.equal(whole[:guard], before[:guard]) and torch.equal(whole[guard + blocks :], before[guard + blocks :])
+    ok = torch.ones(n, dtype=torch.bool, device="cuda")
+    ok[list(bad_slots) + list(bad_pos)] = False
+    want = before[guard : guard + blocks].clone()
+    good = ok.nonzero().flatten()
+    vals = reference.kv_values(kv[good], pos[good], cs)
+    reference.insert_kv(want, ap.get_format("fp8_ds_mla"), vals, slots[good], bs)
+    assert torch.equal(k_cache, want)
+
+
+def test_self_test_fallback_with_injected_fault(monkeypatch, tmp_path):
+    monkeypatch.setenv(selftest.ENV_MODE, "always")
+    monkeypatch.setenv(selftest.ENV_FAULT, "1")
+    monkeypatch.setattr(selftest, "record_path", lambda: tmp_path / "selftest.json")
+    selftest._memo.clear()
+    ops._bound.clear()
+    ops._fast_qkv.clear()
+    args = valid("cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call(args)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, selftest.SelfTestWarning)]
+    assert msgs and "FAILED" in msgs[0] and "Falling back" in msgs[0]
+    import json
+
+    record = json.loads((tmp_path / "selftest.json").read_text())
+    entries = [e for env in record.values() for e in env.values()]
+    assert entries and all(not e["ok"] and e["use"].endswith(("_sm90", "_portable")) for e in entries)
+    # the bound (fallback) kernel is correct, and a second bind reads the record instead of re-testing
+    ref = valid("cuda")
+    reference.qnorm_rope_kv_insert(ref["q_in"], ref["kv"], ref["q_out"], ref["k_cache"], ref["slot_mapping"],
+                                   ref["positions"], ref["cos_sin_cache"], 1e-6, ref["block_size"])
+    torch.cuda.synchronize()
+    assert torch.equal(args["k_cache"], ref["k_cache"])
+    selftest._memo.clear()
+    monkeypatch.setattr(selftest, "run", lambda *a, **k: pytest.fail("self-test ran again despite the record"))
+    ops._bound.clear()
+    ops._fast_qkv.clear()
+    call(valid("cuda"))
+    selftest._memo.clear()
+    ops._bound.clear()
+    ops._fast_qkv.clear()
+
+
+def test_endurance_10000_graph_replays():
+    h, p, n, d, bs = 16, 64, 128, 512, 64
+    pool = ap.ScratchPool()
+    pool.reserve(max_tokens=n, padded_heads=p, head_dim=d, micro_batches=1)
+    pool.lock()
+    op = ap.bind(num_heads=h, padded_heads=p, block_size=bs, pool=pool)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    theta = torch.rand(4096, 32, generator=g, device="cuda") * 6.28
+    cs = torch.cat((theta.cos(), theta.sin()), 1).contiguous()
+    q_in = torch.randn(n, h, d, generator=g, device="cuda").bfloat16()
+    kv = torch.randn(n, d, generator=g, device="cuda").bfloat16()
+    slots = torch.randperm(32 * bs, generator=g, device="cuda")[:n].contiguous()
+    pos = torch.randint(0, 4096, (n,), generator=g, device="cuda")
+    k_cache = torch.zeros(32, bs * 584, dtype=torch.uint8, device="cuda")
+    op(q_in, kv, k_cache, slots, pos, cs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_out = op(q_in, kv, k_cache, slots, pos, cs)
+    torch.cuda.synchronize()
+    stats0 = None
+    checks = 0
+    for i in range(10_000):
+        q_in.normal_(generator=g)
+        kv.normal_(generator=g)
+        pos.random_(0, 4096, generator=g)
+        graph.replay()
+        if i % 1000 == 999:
+            want_q = torch.zeros(n, p, d, dtype=torch.bfloat16, device="cuda")
+            want_cache = torch.zeros_like(k_cache)
+            reference.qnorm_rope_kv_insert(q_in, kv, want_q, want_cache, slots, pos, cs, 1e-6, bs)
+            torch.cuda.synchronize()
+            assert torch.equal(q_out.view(torch.int16), want_q.view(torch.int16)), f"replay {i}"
+            assert torch.equal(k_cache, want_cache), f"replay {i}"
+            checks += 1
+            del want_q, want_cache
+            if stats0 is None:  # after the first check: the reference's temporaries are cached by then
+                torch.cuda.synchronize()
+                stats0 = torch.cuda.memory_stats()
+    torch.cuda.synchronize()
+    stats1 = torch.cuda.memory_stats()
+    assert checks == 10
+    for key in ("allocated_bytes.all.current", "reserved_bytes.all.current", "segment.all.allocated"):
+        assert stats1[key] == stats0[key], key
