@@ -160,7 +160,9 @@ def input_sets(shape: Shape, sets: int) -> list[dict]:
         s = {
             "kv": torch.randn(n, d, device="cuda", generator=g).to(dt),
             "k_cache": torch.zeros(num_blocks, shape.block_size * fmt.bytes_per_token(d), dtype=torch.uint8, device="cuda"),
-            "slot_mapping": torch.randperm(num_blocks * shape.block_size, device="cuda", generator=g)[:n].contiguous(),
+            # a paged allocator's mapping: blocks in random order, tokens consecutive inside a block
+            "slot_mapping": (torch.randperm(num_blocks, device="cuda", generator=g).repeat_interleave(shape.block_size)
+                             * shape.block_size + torch.arange(num_blocks * shape.block_size, device="cuda") % shape.block_size)[:n].contiguous(),
             "positions": torch.randint(0, max_pos, (n,), device="cuda", generator=g),
             "cos_sin_cache": cos_sin,
         }
@@ -183,7 +185,7 @@ def sets_for_cold_l2(shape: Shape) -> int:
     return max(2, min(64, (3 * l2_bytes()) // max(1, shape.min_bytes()) + 1))
 
 
-def op_fns(shape: Shape, sets: list[dict], impl: str = "kernel", config=None) -> list[Callable[[], None]]:
+def op_fns(shape: Shape, sets: list[dict], impl: str = "kernel", config=None, checked: bool = False) -> list[Callable[[], None]]:
     from . import ops, reference
 
     fns = []
@@ -193,7 +195,7 @@ def op_fns(shape: Shape, sets: list[dict], impl: str = "kernel", config=None) ->
                 fns.append(lambda s=s: ops.qnorm_rope_kv_insert(
                     s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"],
                     1e-6, shape.block_size, shape.cache_format, kv_scale=s.get("kv_scale"), q_scale=s.get("q_scale"),
-                    write_pad_heads=not shape.zero_once, config=config))
+                    write_pad_heads=not shape.zero_once, config=config, checked=checked))
             else:
                 fns.append(lambda s=s: ops.kv_rope_insert(
                     s["kv"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], shape.block_size,
@@ -288,6 +290,18 @@ def host_overhead_us(shape: Shape, calls: int = 2000) -> dict:
         out["torch_ops_error"] = str(exc)
     out["min_us"] = out["median_us"]
     return out
+
+
+def checked_cost(shape: Shape, replays: int = 30) -> dict:
+    """Time of the op with index checking on vs off (same inputs, same run)."""
+    nsets = sets_for_cold_l2(shape)
+    sets = input_sets(shape, nsets)
+    calls = max(nsets, 20)
+    off = graph_time_us(op_fns(shape, sets), replays=replays, calls_per_graph=calls)["median_us"]
+    on = graph_time_us(op_fns(shape, sets, checked=True), replays=replays, calls_per_graph=calls)["median_us"]
+    off2 = graph_time_us(op_fns(shape, sets), replays=replays, calls_per_graph=calls)["median_us"]
+    return {"shape": shape.label, "unchecked_us": min(off, off2), "checked_us": on, "cost": on / min(off, off2) - 1,
+            "unchecked_spread": abs(off - off2) / min(off, off2)}
 
 
 def print_table(results: list[Result]) -> str:

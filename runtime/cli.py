@@ -113,7 +113,15 @@ def cmd_bench(args) -> int:
     print(f"\nhost overhead per eager call (T=1, whole Python path): bound op {host['bound_op_us']:.2f} us; "
           f"one-call function {host['median_us']:.2f} us; bare TVM-FFI call {host['bare_tvm_ffi_call_us']:.2f} us; "
           f"through torch.ops {host['torch_ops_call_us']:.2f} us")
+    checked = []
+    if not args.no_checked:
+        for n in (2048, 8192):
+            c = bench.checked_cost(bench.Shape(n=n), replays=args.replays)
+            checked.append(c)
+            print(f"checked mode, {c['shape']}: {c['checked_us']:.2f} us vs {c['unchecked_us']:.2f} us unchecked "
+                  f"({c['cost']:+.1%}; unchecked run-to-run spread {c['unchecked_spread']:.1%})")
     meta = {
+        "checked_mode": checked,
         "device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(), "dsl": compiler.dsl_versions(),
         "command": "python -m attn_prologue bench " + " ".join(args.argv), "host_overhead": host, "l2_bytes": bench.l2_bytes(),
@@ -210,6 +218,7 @@ def main(argv=None) -> int:
     s.add_argument("--max-tokens", type=int)
     s.add_argument("--replays", type=int, default=30)
     s.add_argument("--no-baselines", action="store_true", help="skip torch eager / torch.compile of the reference")
+    s.add_argument("--no-checked", action="store_true", help="skip the checked-mode cost measurement")
     s.add_argument("--json", help="write results here")
     s.add_argument("--png", help="draw GB/s against token count here")
     s.set_defaults(fn=cmd_bench)
