@@ -31,14 +31,34 @@ def shard_of(v: Variant) -> str:
     return f"{v.op.value}{v.q_out.name_part}_d{v.head_dim}r{v.rope_dim}"
 
 
+def tuned_configs() -> dict[tuple[str, str], set[LaunchConfig]]:
+    """(variant, target) -> configs the tuning database (shipped or $ATTN_PROLOGUE_TUNING_DB) names:
+    the dispatcher may pick them at run time, so `build` compiles them too."""
+    from attn_prologue import dispatch, tuning
+
+    out: dict[tuple[str, str], set[LaunchConfig]] = collections.defaultdict(set)
+    db = tuning.TuningDatabase.load(tuning.database_path())
+    for e in db.entries:
+        major, minor = (int(x) for x in str(e.get("capability", "0.0")).split("."))
+        target = dispatch.CAPABILITY_TARGETS.get((major, minor), (None, None))[1]
+        if target:
+            out[(e["variant"], target)].add(LaunchConfig.from_key(e["config"]))
+    return out
+
+
 def build_keys(
     variants: Iterable[Variant], targets: Optional[set[str]] = None, config: Optional[LaunchConfig] = None
 ) -> list[tuple[Variant, KernelKey]]:
+    """Every (variant, config, target) to compile: the given config, or the arch default plus the
+    configs the tuning database names for that variant and target."""
+    tuned = tuned_configs() if config is None else {}
     keys = []
     for v in variants:
-        cfg = config or ARCH_SPECS[v.arch.value].default_config
         for t in v.arch.targets:
-            if targets is None or t in targets:
+            if targets is not None and t not in targets:
+                continue
+            configs = {config or ARCH_SPECS[v.arch.value].default_config} | tuned.get((v.name, t), set())
+            for cfg in sorted(configs, key=lambda c: c.key):
                 keys.append((v, KernelKey(v.name, cfg, t)))
     return keys
 

@@ -188,6 +188,21 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def cmd_simulate(args) -> int:
+    from . import simulate
+
+    opts = simulate.SimOptions(
+        max_num_batched_tokens=args.max_num_batched_tokens, padded_heads=args.padded_heads, heads=args.heads,
+        layers=args.layers, block_size=args.block_size, micro_batches=args.micro_batches, kv_fraction=args.kv_fraction,
+        memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * 1e9),
+        seqs=args.seqs, prompt_len=args.prompt_len, decode_steps=args.decode_steps, needles=args.needles,
+        allocating=args.allocating, seed=args.seed, json_path=args.json,
+        command="python -m attn_prologue simulate " + " ".join(args.argv[1:]),
+    )
+    results = simulate.run(opts)
+    return 0 if results["passed"] else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="attn_prologue", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -237,6 +252,26 @@ def main(argv=None) -> int:
     s.add_argument("--plot-dir", help="write one PNG per variant: GB/s per config across buckets")
     s.add_argument("--json", help="write every timing here")
     s.set_defaults(fn=cmd_tune)
+
+    s = sub.add_parser("simulate", help="play a serving engine on one GPU: pool, KV cache, chunked prefill + decode, needle recall")
+    s.add_argument("--max-num-batched-tokens", type=int, default=32768, help="scheduler token budget per step (pool size)")
+    s.add_argument("--padded-heads", type=int, default=64, help="P: heads of the padded Q buffer")
+    s.add_argument("--heads", type=int, default=16, help="H: live heads (64 / TP4)")
+    s.add_argument("--layers", type=int, default=43)
+    s.add_argument("--block-size", type=int, default=64, help="tokens per KV-cache block")
+    s.add_argument("--micro-batches", type=int, default=2, help="scratch buffers (steps alternate between them)")
+    s.add_argument("--kv-fraction", type=float, default=0.90, help="share of the free memory the KV cache takes")
+    s.add_argument("--memory-budget-gb", type=float, help="cap the memory the simulation may use (GB = 1e9 bytes; "
+                   "default: the whole GPU); enforced with torch.cuda.set_per_process_memory_fraction")
+    s.add_argument("--seqs", type=int, default=8, help="concurrent sequences")
+    s.add_argument("--prompt-len", type=int, default=30000, help="prompt tokens per sequence (+-5%%)")
+    s.add_argument("--decode-steps", type=int, default=32)
+    s.add_argument("--needles", type=int, default=64, help="(sequence, position, layer) cache entries checked bit-exactly")
+    s.add_argument("--allocating", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the schedule with the old allocating op (fresh [N, P, D] Q per call) under the same budget")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", help="write the results here")
+    s.set_defaults(fn=cmd_simulate)
 
     s = sub.add_parser("compile-entries", help=argparse.SUPPRESS)
     s.add_argument("--cache-dir")

@@ -335,6 +335,7 @@ def qnorm_rope_kv_insert(
         ok = (
             kv.shape[0] == n and positions.shape[0] == n and slot_mapping.shape[0] <= n and q_out.shape[0] >= n
             and p >= h and block_size > 0 and k_cache.shape[1] >= block_size * bpt and eps >= 0
+            and k_cache.dtype is torch.uint8
             and (kv_scale is not None) == needs_scale and (q_out.data_ptr() != q_in.data_ptr() or p == h)
         )
     except (KeyError, AttributeError, TypeError, ValueError, IndexError):

@@ -64,8 +64,8 @@ def current_environment(device=None) -> Environment:
     dev = device if device is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
     try:
-        driver = str(torch.cuda.driver_version()) if hasattr(torch.cuda, "driver_version") else ""
-    except Exception:
+        driver = str(torch._C._cuda_getDriverVersion())
+    except Exception:  # informational only: not part of the match
         driver = ""
     return Environment(
         gpu=props.name,

@@ -55,8 +55,8 @@ def ue8m0_byte(r: Float32) -> Uint32:
 # suffices), 48 warps and 24 CTAs per SM, and 99 KB shared memory per block (unused: this kernel
 # keeps rows in registers, so shared memory never bounds occupancy). The scarce resource at
 # decode sizes is SMs busy, not bytes in flight: 2-warp CTAs spread a small batch over twice as
-# many of the 48-188 SMs and still reach 48 warps per SM (24 CTAs). Untuned: no SM120 GPU was
-# available.
+# many of the 48-188 SMs; 24 CTAs x 2 warps fill the 48-warp limit where registers allow (<=
+# 42/thread; ~44 registers give ~46 warps). Untuned: no SM120 GPU was available.
 # Parts: GB10 (DGX Spark) 48 SMs 2.3 B/clk/SM; RTX 5090 170 SMs 4.4 B/clk/SM; RTX PRO 6000 Blackwell 188 SMs 3.7 B/clk/SM.
 DEFAULT_CONFIG = {'warps_per_cta': 2, 'passes_per_warp': 1, 'pdl': True, 'non_coherent': True, 'ctas_per_sm': 0}
 # ---- end launch defaults -----------------------------------------------------------------------

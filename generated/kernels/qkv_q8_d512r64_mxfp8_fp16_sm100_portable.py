@@ -52,7 +52,8 @@ def ue8m0_byte(r: Float32) -> Uint32:
 
 # ---- launch defaults: sm100 ------------------------------------------------------------
 # B200: 8 TB/s over 148 SMs is ~28 B/clock/SM (~19 KB in flight per SM, >= 19 warps of 1 KB);
-# 4-warp CTAs reach the 64-warp occupancy limit. Untuned: no SM100 GPU was available.
+# register-limited occupancy (~46 warps at ~44 registers) covers it with 4-warp CTAs. Untuned:
+# no SM100 GPU was available.
 # Parts: B200 148 SMs 27.5 B/clk/SM.
 DEFAULT_CONFIG = {'warps_per_cta': 4, 'passes_per_warp': 1, 'pdl': True, 'non_coherent': True, 'ctas_per_sm': 0}
 # ---- end launch defaults -----------------------------------------------------------------------
