@@ -22,12 +22,10 @@ import bisect
 import datetime
 import gc
 import json
-import math
 import platform
 import random
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -522,7 +520,8 @@ def _pool_pass_body(opts, schedule, needles, where, prompt_lens, max_pos, needed
     if p > h:
         for mb in range(opts.micro_batches):
             buf = pool.buffer(padded_heads=p, head_dim=d, dtype=torch.bfloat16, micro_batch=mb, device=device)
-            pads = pads and not bool(buf[:, h:].view(torch.int16).any())
+            for r0 in range(0, buf.shape[0], 256):  # in slices: no large temporary under a tight budget
+                pads = pads and not bool(buf[r0:r0 + 256, h:].view(torch.int16).any())
     res["pool_pads_zero"] = pads
     res["block_tables"] = {"blocks_used": nb - alloc.num_free, "blocks_needed": needed_blocks}
     return res
@@ -686,7 +685,7 @@ def run(opts: SimOptions) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
         "dsl": compiler.dsl_versions(),
-        "command": opts.command or "python -m attn_prologue simulate " + " ".join(sys.argv[1:]),
+        "command": opts.command or f"attn_prologue.simulate.run({opts!r})",
         "options": asdict(opts),
         "prompt_lens": prompts, "max_position": max_pos,
     }
@@ -700,6 +699,24 @@ def run(opts: SimOptions) -> dict:
         and pr["q_close"] == pr["needles"] and pr["needle_pads_zero"] == pr["needles"] and pr["pool_pads_zero"]
         and pr["tokens"] == pr["tokens_scheduled"]
     )
+    al = results["allocating"]
+    results["summary"] = {
+        "reserved_bytes": pr["reserved_bytes"],
+        "kv_capacity_tokens": pr["kv"]["capacity_tokens"],
+        "tokens_processed": pr["tokens"],
+        "layer_calls": pr["layer_calls"],
+        "seconds": round(pr["seconds"], 3),
+        "recall": f"{pr['recall']}/{pr['needles']}",
+        "q_out_close": f"{pr['q_close']}/{pr['needles']}",
+        "pads_zero": pr["pool_pads_zero"] and pr["needle_pads_zero"] == pr["needles"],
+        "allocations_after_lock": pr["allocations_after_lock"],
+        "oom": pr["oom"],
+        "allocating_outcome": None if al is None else al["outcome"],
+        "allocating_oom_at": None if al is None or not al["oom"] else {k: al["oom"][k] for k in ("step", "layer", "tokens")},
+        "allocating_unplanned_peak_bytes": None if al is None else al["unplanned_peak_bytes"],
+        "allocating_headroom_bytes": None if al is None else al["headroom_bytes"],
+        "passed": results["passed"],
+    }
     if opts.progress:
         print()
         print(summary(results), flush=True)
