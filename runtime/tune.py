@@ -46,10 +46,13 @@ def _compile_job(cache_root: str, variant: str, config_key: str, target: str) ->
     from .kernel_cache import KernelCache, KernelKey
 
     try:
-        KernelCache(cache_root).ensure_built(KernelKey(variant, LaunchConfig.from_key(config_key), target))
-        return variant, config_key, None
+        meta = KernelCache(cache_root).ensure_built(KernelKey(variant, LaunchConfig.from_key(config_key), target))
     except Exception as exc:  # reported, scored as infinity
         return variant, config_key, f"{type(exc).__name__}: {exc}"
+    res = meta["resources"]
+    if res["frame_bytes"] or res["min_stack_bytes"] or res["local_sections"] or meta["ptx"]["local_memory"]:
+        return variant, config_key, f"pruned: spills to local memory ({res['frame_bytes']} B frame, {res['registers']} registers)"
+    return variant, config_key, None
 
 
 @dataclass

@@ -168,12 +168,17 @@ def test_global_accesses_are_128_bit(built, v, key):
     facts = meta["ptx"]
     # q, kv and cos/sin (and norm weights): 128-bit read-only loads, and only those go through .nc
     assert facts["max_load_bits"] == 128
-    assert "ld.global.nc.v4.b32" in ptx
-    assert _widths(meta, "ld.nc") == {128}
-    assert facts["global_access_bits"]["ld.nc.128"] >= expected_min_128bit_loads(v)
-    # the other loads are scalars: slot and position (int64), kv_scale / q_scale (float32)
     scalars = {64} | ({32} if v.format.needs_tensor_scale or v.q_out is QOut.FP8 else set())
-    assert _widths(meta, "ld") == scalars
+    if key.config.non_coherent:
+        assert "ld.global.nc.v4.b32" in ptx
+        assert _widths(meta, "ld.nc") == {128}
+        assert facts["global_access_bits"]["ld.nc.128"] >= expected_min_128bit_loads(v)
+        # the other loads are scalars: slot and position (int64), kv_scale / q_scale (float32)
+        assert _widths(meta, "ld") == scalars
+    else:  # the coherent load path: the same 128-bit vectors through plain ld.global
+        assert "ld.global.nc" not in ptx and "ld.global.v4.b32" in ptx
+        assert _widths(meta, "ld") == scalars | {128}
+        assert facts["global_access_bits"]["ld.128"] >= expected_min_128bit_loads(v)
     # stores: 128-bit q_out rows, 8-value cache vectors, scale bytes / words; nothing split
     assert _widths(meta, "st") == expected_store_bits(v)
     assert facts["max_store_bits"] == max(expected_store_bits(v))
@@ -451,7 +456,9 @@ def test_full_build_graph_is_complete(tmp_path):
     manifest = (generate.default_out_dir() / "MANIFEST").read_text().split()
     pairs = {(v.name, k.target) for v, k in keys}
     assert pairs == {(n, t) for n in manifest for t in registry.TARGETS[registry.VARIANTS[n][6]]}
-    assert len(keys) == len(pairs) == 352
+    assert len(pairs) == 352
+    assert len(keys) == len({(k.variant, k.target, k.config.key) for _, k in keys}) == 352 + sum(
+        len(cs - {build.ARCH_SPECS[registry.VARIANTS[v][6]].default_config}) for (v, _), cs in build.tuned_configs().items())
     build.write_graph(KernelCache(root), keys, root / "build" / "build.ninja")
     edges = _check_graph(root, keys)
     assert len(edges) == len({build.shard_of(v) for v, _ in keys})

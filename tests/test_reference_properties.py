@@ -550,6 +550,19 @@ def ulp_of(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2((e - mant_bits).double())
 
 
+def f32_slack(want64: torch.Tensor, r: int) -> torch.Tensor:
+    """How far the float32 computation may be from the float64 oracle: 2^-19 relative (the sum of
+    squares, sqrt and division add up to ~2^-20 relative in the inverse RMS) of |y| on the
+    normalized dims, and of the pair norm sqrt(even^2 + odd^2) on the RoPE dims (a rotation that
+    cancels keeps the absolute error of its products, not a relative one)."""
+    d = want64.shape[-1]
+    slack = want64.abs().clone()
+    t = want64[..., d - r:]
+    pair = torch.sqrt(t[..., 0::2] ** 2 + t[..., 1::2] ** 2)
+    slack[..., d - r:] = torch.stack((pair, pair), dim=-1).reshape(t.shape)
+    return slack * 2.0**-19 + 2.0**-40
+
+
 def assert_close_ulp(got: torch.Tensor, want64: torch.Tensor, dtype, atol: torch.Tensor | float):
     """|got - want| <= 1 ulp(want) + atol: the fp32 result is within atol of want (float64), then
     one rounding to dtype (half an ulp; one ulp covers a rounding-boundary crossing)."""
@@ -621,8 +634,7 @@ def test_qnorm_rope_kv_insert_contract(case):
     assert (q_out[:n, h:].view(torch.int16) == 0).all()
     # live heads of ALL N rows (M <= N: DP padding still processes Q) vs the float64 oracle
     want = q_oracle(o["q_in"], o["positions"], o["cs"], eps, r, apply_q_norm)
-    atol = 2.0**-18 if apply_q_norm else 2.0**-18 * 2.0**log_scale
-    assert_close_ulp(q_out[:n, :h], want, dtype, atol)
+    assert_close_ulp(q_out[:n, :h], want, dtype, f32_slack(want, r))
     # cache: rows t < M with slot >= 0 only, at their records (per-row oracle loop)
     slots = o["slots"].tolist()
     vals = ref.kv_values(o["kv"][: len(slots)], o["positions"][: len(slots)], o["cs"], order=order)
@@ -635,7 +647,7 @@ def test_qnorm_rope_kv_insert_contract(case):
     if len(slots):
         kv_want = rope_oracle(o["kv"][: len(slots)].double(), o["positions"][: len(slots)],
                               o["cs"], r)
-        assert_close_ulp(vals, kv_want, dtype, 2.0**-18 * 2.0**log_scale)
+        assert_close_ulp(vals, kv_want, dtype, f32_slack(kv_want, r))
 
 
 def test_dp_padding_explicit():
@@ -643,7 +655,7 @@ def test_dp_padding_explicit():
     case = ("fp8_ds_mla", 5, 2, 3, 4, 1, torch.bfloat16, "kernel", True, 0, 1e-6, 11)
     o = run_op(*case)
     want = q_oracle(o["q_in"], o["positions"], o["cs"], 1e-6, 64)
-    assert_close_ulp(o["q_out"][:5, :3], want, torch.bfloat16, 2.0**-18)
+    assert_close_ulp(o["q_out"][:5, :3], want, torch.bfloat16, f32_slack(want, 64))
     assert (o["q_out"][:5, 3:].view(torch.int16) == 0).all()
     assert torch.equal(o["q_out"][5:].view(torch.int16), o["q_before"][5:].view(torch.int16))
     slot = o["slots"][0].item()
@@ -683,42 +695,67 @@ def test_n_zero_is_noop(name):
        st.integers(0, 2**31 - 1))
 def test_kernel_vs_eager_order(name, n, h, dtype, log_scale, seed):
     """Both orders agree within 1 ulp of the I/O dtype on q_out and 1 bf16 ulp on the stored
-    16-bit values (the fp8_ds_mla rope tail; every value of the bf16 cache format)."""
+    16-bit values (the fp8_ds_mla rope tail; every value of the bf16 cache format), EXCEPT where
+    RoPE cancels (see assert_orders_agree)."""
     outs = {}
     for order in ("kernel", "eager"):
         outs[order] = run_op(name, n, 1, h, h + 1, n, dtype, order, True, log_scale, 1e-6, seed)
-    qa, qb = (outs[k]["q_out"][:n].view(torch.int16) for k in ("kernel", "eager"))
-    assert (ordered(qa) - ordered(qb)).abs().max().item() <= 1
+    d, r = FMT_DR[name]
+    assert_orders_agree(outs["kernel"]["q_out"][:n], outs["eager"]["q_out"][:n], r, dtype)
     ca, cb = outs["kernel"]["base"], outs["eager"]["base"]
-    d = FMT_DR[name][0]
     slots = [s for s in outs["kernel"]["slots"].tolist() if s >= 0]
     bs = 4
     for slot in slots:
         blk, o = divmod(slot, bs)
         if name == "fp8_ds_mla":
-            lo, hi = o * 576 + 448, o * 576 + 576
+            lo, hi, rr = o * 576 + 448, o * 576 + 576, r  # the tail holds exactly the rope dims
         elif name == "bf16":
-            lo, hi = o * 2 * d, (o + 1) * 2 * d
+            lo, hi, rr = o * 2 * d, (o + 1) * 2 * d, r
         else:
             continue
-        ta = ca[blk, lo:hi].contiguous().view(torch.int16)
-        tb = cb[blk, lo:hi].contiguous().view(torch.int16)
-        assert (ordered(ta) - ordered(tb)).abs().max().item() <= 1
+        ta = ca[blk, lo:hi].contiguous().view(torch.bfloat16)
+        tb = cb[blk, lo:hi].contiguous().view(torch.bfloat16)
+        assert_orders_agree(ta, tb, rr, torch.bfloat16)
+
+
+def assert_orders_agree(a: torch.Tensor, b: torch.Tensor, r: int, dtype: torch.dtype):
+    """a, b [..., D] in a 16-bit dtype from the two orders.
+
+    Dims [0, D-R) (normalized only): within 1 ulp (ordered bit patterns).
+    RoPE dims: within 1 ulp + 2^-21 * |pair|, |pair| = sqrt(even^2 + odd^2). The orders differ
+    in float32 by a few roundings of the PRODUCTS e*c, o*s (fma or not), i.e. a few 2^-24 *
+    (|e c| + |o s|) <= 2^-23 * sqrt(2) * |pair|, which is NOT small against the result when the
+    rotation cancels (e c ~ o s): then the 16-bit results can be many ulps apart (measured: up to
+    25 bf16 ulps in 1 of ~2M random values). spec/op.md's "within 1 bf16 ulp" holds only without
+    such cancellation."""
+    d = a.shape[-1]
+    ia, ib = a.view(torch.int16), b.view(torch.int16)
+    nope = (ordered(ia[..., : d - r]) - ordered(ib[..., : d - r])).abs()
+    assert nope.numel() == 0 or nope.max().item() <= 1
+    ta, tb = a[..., d - r:].double(), b[..., d - r:].double()
+    pair = torch.sqrt(ta[..., 0::2] ** 2 + ta[..., 1::2] ** 2)
+    pair = torch.stack((pair, pair), dim=-1).reshape(ta.shape)
+    big = torch.maximum(ta.abs(), tb.abs())
+    bound = ulp_of(big, dtype) + 2.0**-21 * pair
+    assert ((ta - tb).abs() <= bound).all(), ((ta - tb).abs() - bound).max().item()
 
 
 def test_kernel_vs_eager_do_differ_somewhere():
     """Sanity for the test above: the two orders are not trivially identical (otherwise the
-    1-ulp test would be vacuous)."""
-    g = torch.Generator().manual_seed(0)
-    q_in = torch.randn(256, 16, 512, generator=g).to(torch.bfloat16)
-    pos = torch.randint(0, 4096, (256,), generator=g)
+    tolerance test would be vacuous), and the cancellation case is real."""
+    g = torch.Generator().manual_seed(1)
+    q_in = torch.randn(1024, 16, 128, generator=g).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (1024,), generator=g)
     cs = make_cos_sin(4096, 64)
     a = ref.q_values(q_in, pos, cs, 1e-6, order="kernel")
     b = ref.q_values(q_in, pos, cs, 1e-6, order="eager")
     assert (a != b).sum().item() > 1000  # float32 results differ often ...
-    qa, qb = a.to(torch.bfloat16).view(torch.int16), b.to(torch.bfloat16).view(torch.int16)
-    assert (qa != qb).sum().item() > 0  # ... and sometimes across a bf16 rounding boundary
-    assert (ordered(qa) - ordered(qb)).abs().max().item() == 1
+    qa, qb = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    diff = (ordered(qa.view(torch.int16)) - ordered(qb.view(torch.int16))).abs()
+    assert (diff[..., :64] == 1).any()  # ... sometimes across a bf16 rounding boundary
+    assert diff[..., :64].max().item() == 1  # never more without RoPE
+    assert diff[..., 64:].max().item() > 1  # RoPE cancellation: more than 1 ulp (seed 1: 25)
+    assert_orders_agree(qa, qb, 64, torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", ["fp8_ds_mla", "mxfp4"])
@@ -728,7 +765,7 @@ def test_fp16_io(name):
     o = run_op(name, 6, 1, 3, 4, 6, torch.float16, "kernel", True, 0, 1e-6, 5)
     assert o["q_out"].dtype == torch.float16
     want = q_oracle(o["q_in"], o["positions"], o["cs"], 1e-6, o["r"])
-    assert_close_ulp(o["q_out"][:6, :3], want, torch.float16, 2.0**-18)
+    assert_close_ulp(o["q_out"][:6, :3], want, torch.float16, f32_slack(want, o["r"]))
     assert (o["q_out"][:6, 3:].view(torch.int16) == 0).all()
     slots = o["slots"].tolist()
     live = [t for t, s in enumerate(slots) if s >= 0]
@@ -740,19 +777,19 @@ def test_fp16_io(name):
         tail = dec[:, 448:].double()
         tw = kv_want[:, 448:]
         assert ((tail - tw).abs() <= ulp_of(tw, torch.float16) + ulp_of(tw, torch.bfloat16)
-                + 2.0**-18).all()
+                + f32_slack(kv_want, 64)[:, 448:]).all()
         nope_err = (dec[:, :448].double() - kv_want[:, :448]).abs()
-        # v = fp16(w) is within 2^-10 |w| (+ atol) of w; e4m3 adds max(2^-4 |v|, 2^-10 s) with the
+        # v = fp16(w) = w on these unrotated dims (kv is fp16); e4m3 adds max(2^-4 |v|, 2^-10 s) with the
         # block scale s < amax(v) / 224: total <= (2^-4 + 2^-9) |w| + 2^-10 s
         blk_amax = kv_want[:, :448].abs().reshape(-1, 7, 64).amax(-1, keepdim=True)
         s = (blk_amax * (1 + 2.0**-9) / 224).expand(-1, -1, 64).reshape(-1, 448)
-        bound = kv_want[:, :448].abs() * (2.0**-4 + 2.0**-9) + 2.0**-10 * s + 2.0**-18
+        bound = kv_want[:, :448].abs() * (2.0**-4 + 2.0**-9) + 2.0**-10 * s
         assert (nope_err <= bound).all()
     else:
         # e2m1: at most half a gap <= 1 * s, with s < amax(v) / 3; plus the fp16 rounding of v
         blk_amax = kv_want.abs().reshape(-1, 4, 32).amax(-1, keepdim=True)
         s = (blk_amax * (1 + 2.0**-9) / 3).expand(-1, -1, 32).reshape(-1, 128)
-        bound = s + ulp_of(kv_want, torch.float16) + 2.0**-18
+        bound = s + ulp_of(kv_want, torch.float16) + f32_slack(kv_want, 64)
         assert ((dec.double() - kv_want).abs() <= bound).all()
 
 
