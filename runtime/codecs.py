@@ -161,19 +161,26 @@ def write_records(
 ) -> None:
     """Write each row's records at its slot; rows with a negative slot leave every byte alone.
 
-    Without a device sync a masked scatter cannot drop rows, so this adds (new - old) mod 256 with
-    `index_put_(accumulate=True)`: skipped rows add 0 at byte 0 of block 0. Two rows with the same
-    slot are undefined (as in the kernel)."""
+    Without a device sync a masked scatter cannot drop rows, so skipped rows are redirected: they
+    write the first valid row's bytes to that row's location (a duplicate write of identical
+    values), or, when no row is valid, the cache's own bytes back to block 0. Scatters with
+    duplicate indices of identical values are deterministic, and no atomic is needed (torch.compile
+    has none for uint8). Two valid rows with the same slot are undefined, as in the kernel."""
+    if slots.shape[0] == 0:
+        return
     valid = slots >= 0
-    safe = torch.where(valid, slots.to(torch.int64), torch.zeros_like(slots, dtype=torch.int64))
-    block, dcols, scols = record_byte_index(fmt, head_dim, block_size, safe)
+    donor = torch.argmax(valid.to(torch.int32)).view(1)  # first valid row (0 when there is none)
+    any_valid = valid.any()
+    slots64 = slots.to(torch.int64)
+    target = torch.where(valid, slots64, torch.where(any_valid, slots64.index_select(0, donor).clamp_min(0), torch.zeros_like(slots64)))
+    block, dcols, scols = record_byte_index(fmt, head_dim, block_size, target)
     for cols, new in ((dcols, data), (scols, scale)):
         if cols.shape[1] == 0:
             continue
         rows = block.unsqueeze(1).expand_as(cols)
         old = k_cache[rows, cols]
-        delta = torch.where(valid.unsqueeze(1), new - old, torch.zeros_like(new))
-        k_cache.index_put_((rows, cols), delta, accumulate=True)
+        values = torch.where(valid.unsqueeze(1), new, torch.where(any_valid, new.index_select(0, donor), old))
+        k_cache.index_put_((rows, cols), values)
 
 
 def read_records(
