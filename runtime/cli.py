@@ -106,6 +106,8 @@ def cmd_bench(args) -> int:
     for i, shape in enumerate(shapes):
         r = bench.run_shape(shape, baselines=not args.no_baselines, replays=args.replays)
         results.append(r)
+        if args.json:  # written after every shape: a run cut short keeps what it measured
+            bench.save(results, args.json, {"partial": True, "command": "python -m attn_prologue bench " + " ".join(args.argv)})
         print(f"[{i + 1}/{len(shapes)}] {shape.label}: {r.op['median_us']:.2f} us, {r.gbs:.0f} GB/s, {r.copy['median_us'] / r.op['median_us']:.1%} of copy", flush=True)
     print()
     print(bench.print_table(results))
@@ -229,7 +231,7 @@ def main(argv=None) -> int:
     s.set_defaults(fn=cmd_build)
 
     s = sub.add_parser("bench", help="time the op against a copy of its bytes, torch eager and torch.compile (GPU)")
-    s.add_argument("--shapes", default="targets", choices=["targets", "indexer", "all", "quick"])
+    s.add_argument("--shapes", default="targets", choices=["targets", "indexer", "all", "quick", "baseline"])
     s.add_argument("--max-tokens", type=int)
     s.add_argument("--replays", type=int, default=30)
     s.add_argument("--no-baselines", action="store_true", help="skip torch eager / torch.compile of the reference")
