@@ -1,0 +1,189 @@
+"""Dispatcher selection and errors, the scratch pool's accounting, locking and views, the tuning
+database (round trip, merge, mismatch and corruption), and the config heuristic, on CPU."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import attn_prologue as ap
+from attn_prologue import dispatch, ops, tuning
+from attn_prologue.errors import ScratchError, UnsupportedError
+from attn_prologue.generated import registry
+from attn_prologue.launch import LaunchConfig
+
+
+# ---- dispatch ----------------------------------------------------------------------------------
+def test_capabilities_map_to_families_and_targets():
+    assert dispatch.target_for_capability(9, 0) == ("sm90", "sm_90a")
+    assert dispatch.target_for_capability(10, 0) == ("sm100", "sm_100a")
+    assert dispatch.target_for_capability(12, 0) == ("sm120", "sm_120a")
+    assert dispatch.target_for_capability(12, 1) == ("sm120", "sm_121a")
+    with pytest.raises(UnsupportedError, match="8.0.*supported"):
+        dispatch.target_for_capability(8, 0)
+
+
+@pytest.mark.parametrize("arch,conv", [("sm90", None), ("sm100", None), ("sm120", None), ("sm120", "portable")])
+def test_every_registered_combination_is_selected_by_its_key(arch, conv):
+    rows = [(n, r) for n, r in registry.VARIANTS.items() if r[6] == arch and r[7] == (conv or dispatch.default_conversions(arch))]
+    assert rows
+    for name, (op, q_out, d, r, fmt, dt, _, _, _) in rows:
+        got = dispatch.select_variant(arch=arch, op=op, head_dim=d, rope_dim=r, cache_format=fmt, io_dtype=dt,
+                                      q_out=q_out, conversions=conv)
+        assert got == name
+
+
+def test_portable_request_for_a_format_without_arch_conversions_uses_the_single_module():
+    name = dispatch.select_variant(arch="sm120", op="kv", head_dim=512, rope_dim=64, cache_format="bf16",
+                                   io_dtype="bf16", conversions="portable")
+    assert name == "kv_d512r64_bf16_bf16_sm120"
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("head_dim", 96, "head_dim=96 is not available here; available: 512"),
+    ("cache_format", "mxfp4", "head_dim=512 is not available here; available: 128"),
+    ("io_dtype", "fp32", "io_dtype=fp32 is not available here; available: bf16, fp16"),
+    ("op", "qkv_plus", "op=qkv_plus is not available here"),
+    ("rope_dim", 32, "rope_dim=32 is not available here; available: 64"),
+])
+def test_unsupported_combinations_name_the_alternatives(field, value, needle):
+    req = dict(arch="sm120", op="qkv", head_dim=512, rope_dim=64, cache_format="fp8_ds_mla", io_dtype="bf16")
+    req[field] = value
+    with pytest.raises(UnsupportedError) as info:
+        dispatch.select_variant(**req)
+    assert needle in str(info.value)
+
+
+def test_native_conversions_are_not_offered_on_sm90():
+    with pytest.raises(UnsupportedError, match="conversions=native"):
+        dispatch.select_variant(arch="sm90", op="qkv", head_dim=512, rope_dim=64, cache_format="fp8_ds_mla",
+                                io_dtype="bf16", conversions="native")
+
+
+def test_default_configs_and_heuristic():
+    for arch in ("sm90", "sm100", "sm120"):
+        cfg = dispatch.default_config(arch)
+        assert cfg.key == registry.DEFAULT_CONFIGS[arch]
+        assert tuning.heuristic_config(arch, 4096, cfg) == cfg
+    assert dispatch.default_config("sm120").warps_per_cta == 2  # more CTAs for small batches (archs.py)
+
+
+def test_launch_config_keys_round_trip():
+    from attn_prologue.launch import all_configs
+
+    for c in all_configs():
+        assert LaunchConfig.from_key(c.key) == c
+    with pytest.raises(ValueError):
+        LaunchConfig(warps_per_cta=3)
+    with pytest.raises(ValueError):
+        LaunchConfig.from_key("w4")
+
+
+# ---- scratch pool --------------------------------------------------------------------------------
+def test_pool_accounting_views_lock_and_does_not_fit():
+    pool = ap.ScratchPool()
+    added = pool.reserve(max_tokens=16, padded_heads=8, head_dim=128, micro_batches=2, device="cpu")
+    assert added == pool.reserved_bytes == 2 * 16 * 8 * 128 * 2
+    assert pool.reserve(max_tokens=8, padded_heads=8, head_dim=128, micro_batches=2, device="cpu") == 0  # fits
+    buf0 = pool.buffer(padded_heads=8, head_dim=128, micro_batch=0, device="cpu")
+    buf1 = pool.buffer(padded_heads=8, head_dim=128, micro_batch=1, device="cpu")
+    assert buf0.data_ptr() != buf1.data_ptr() and not buf0.any() and not buf1.any()  # zeroed once
+    pool.lock()
+    v = pool.view(5, padded_heads=8, head_dim=128, micro_batch=1, device="cpu")
+    assert v.shape == (5, 8, 128) and v.data_ptr() == buf1.data_ptr()
+    assert pool.view(5, padded_heads=8, head_dim=128, micro_batch=1, device="cpu") is v  # cached, no new tensor
+    with pytest.raises(ScratchError, match="do not fit the locked scratch pool"):
+        pool.view(17, padded_heads=8, head_dim=128, device="cpu")
+    with pytest.raises(ScratchError, match="locked"):
+        pool.reserve(max_tokens=32, padded_heads=8, head_dim=128, device="cpu")
+    with pytest.raises(ScratchError, match="no scratch reserved"):
+        pool.buffer(padded_heads=16, head_dim=128, device="cpu")
+    assert pool.reserved_bytes == added
+
+
+def test_pool_grows_before_lock_and_keeps_zero_once_ownership():
+    pool = ap.ScratchPool()
+    pool.reserve(max_tokens=4, padded_heads=8, head_dim=128, micro_batches=1, device="cpu")
+    t = pool.claim(2, padded_heads=8, head_dim=128, device="cpu")
+    from attn_prologue.scratch import zero_once_heads
+
+    assert zero_once_heads(t) == 2
+    v = pool.view(10, padded_heads=8, head_dim=128, device="cpu")  # not locked: grows (zeroed)
+    assert v.shape[0] == 10 and not v.any() and zero_once_heads(v) == 2
+    with pytest.raises(ScratchError, match="already serves H=2"):
+        pool.claim(4, padded_heads=8, head_dim=128, device="cpu")
+    pool.release()
+    assert pool.reserved_bytes == 0 and zero_once_heads(v) is None
+
+
+# ---- tuning database -----------------------------------------------------------------------------
+ENV = tuning.Environment(gpu="NVIDIA H200", sms=132, capability="9.0", driver="13000", package="0.1.0", dsl="abc")
+
+
+def entry(bucket, config, **over):
+    e = {**ENV.as_dict(), "variant": "qkv_d512r64_fp8_ds_mla_bf16_sm90", "bucket": bucket, "config": config, "us": 1.0}
+    e.update(over)
+    return e
+
+
+def test_buckets():
+    assert [tuning.bucket_of(n) for n in (0, 1, 2, 3, 64, 65, 32768)] == [1, 1, 2, 4, 64, 128, 32768]
+    assert tuning.default_buckets(32768) == [2**i for i in range(16)]
+
+
+def test_database_round_trip_merge_and_lookup(tmp_path):
+    db = tuning.TuningDatabase([entry(1, "w2_u1_pdl1_nc1"), entry(64, "w8_u1_pdl1_nc1")])
+    path = db.save(tmp_path / "db.json")
+    again = tuning.TuningDatabase.load(path)
+    again.merge([entry(64, "w16_u1_pdl1_nc0"), entry(2048, "w4_u1_pdl1_nc1")])
+    assert len(again.entries) == 3
+    table = again.table_for(ENV)
+    assert table[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == LaunchConfig.from_key("w16_u1_pdl1_nc0")
+    assert json.loads(path.read_text())["format"] == tuning.DB_FORMAT
+
+
+def test_mismatched_environment_is_reported_and_ignored_unless_forced(tmp_path):
+    db = tuning.TuningDatabase([entry(1, "w2_u1_pdl1_nc1", gpu="NVIDIA GB10", sms=48, capability="12.1")], tmp_path / "x")
+    with pytest.warns(tuning.TuningDatabaseWarning, match="no entry matches"):
+        assert db.table_for(ENV) == {}
+    assert len(db.table_for(ENV, force=True)) == 1
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"format": 99, "entries": []}', '{"format": 1, "entries": [{"variant": "x"}]}'])
+def test_corrupt_database_is_reported_and_ignored(tmp_path, text):
+    p = tmp_path / "db.json"
+    p.write_text(text)
+    with pytest.warns(tuning.TuningDatabaseWarning, match="corrupt"):
+        db = tuning.TuningDatabase.load(p)
+    assert db.entries == []
+
+
+def test_dispatcher_prefers_the_database_over_the_heuristic(monkeypatch):
+    """kernel_for picks the DB entry of the token-count bucket, else the arch default."""
+    name = "qkv_d512r64_fp8_ds_mla_bf16_sm90"
+    fake_db = {(name, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0")}
+    monkeypatch.setattr(ops, "tuning_table", lambda: fake_db)
+    monkeypatch.setattr(ops, "device_target", lambda device: ("sm90", "sm_90a"))
+    monkeypatch.setattr(ops.selftest, "resolve", lambda device, n, cfg, target: n)
+    seen = []
+
+    class FakeKernel:
+        def __init__(self, variant, config, target, cache=None):
+            seen.append((variant, config.key, target))
+            self.fn, self.max_ctas = object(), 0
+
+    monkeypatch.setattr(ops, "Kernel", FakeKernel)
+    monkeypatch.setattr(ops, "_bound", {})
+    req = dict(op="qkv", q_out="io", head_dim=512, rope_dim=64, cache_format="fp8_ds_mla", io="bf16")
+    ops.kernel_for(torch.device("cpu"), n_tokens=50, **req)
+    ops.kernel_for(torch.device("cpu"), n_tokens=3000, **req)
+    assert seen == [(name, "w16_u1_pdl1_nc0", "sm_90a"), (name, registry.DEFAULT_CONFIGS["sm90"], "sm_90a")]
+
+
+def test_shipped_database_loads_and_names_valid_configs():
+    db = tuning.TuningDatabase.load(tuning.shipped_database_path())
+    assert db.entries and all(e["gpu"] == "NVIDIA H200" and e["capability"] == "9.0" for e in db.entries)
+    for e in db.entries:
+        assert e["variant"] in registry.VARIANTS
+        LaunchConfig.from_key(e["config"])

@@ -1,0 +1,116 @@
+"""The torch op on CPU: the reference implementation behind the caller-owned schema, equal under
+torch.compile(fullgraph=True), and its mutations survive functionalization without a cache copy."""
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.utils import run_and_get_code
+
+import attn_prologue as ap
+import attn_prologue.torch_op  # noqa: F401
+from attn_prologue import reference
+
+N, H, P, D, BS = 6, 4, 8, 512, 16
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.rand(100, 32, generator=g) * 6.28
+    return dict(
+        q_in=torch.randn(N, H, D, generator=g).bfloat16(),
+        kv=torch.randn(N, D, generator=g).bfloat16(),
+        q_out=torch.full((N + 2, P, D), float("nan")).bfloat16(),
+        k_cache=torch.randint(0, 256, (4, BS * 584), generator=g, dtype=torch.uint8),
+        slot_mapping=torch.tensor([3, -1, 17, 40, 5, 63]),
+        positions=torch.randint(0, 100, (N,), generator=g),
+        cos_sin_cache=torch.cat((theta.cos(), theta.sin()), 1).contiguous(),
+    )
+
+
+def step(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache):
+    ap.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 1e-6, BS)
+
+
+def test_schema_is_the_caller_owned_one():
+    schema = str(torch.ops.attn_prologue.qnorm_rope_kv_insert.default._schema)
+    assert schema.startswith(
+        "attn_prologue::qnorm_rope_kv_insert(Tensor q_in, Tensor kv, Tensor(a2!) q_out, Tensor(a3!) k_cache, "
+        "Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, float eps, SymInt block_size")
+    assert schema.endswith("-> ()")
+
+
+def test_cpu_op_equals_reference():
+    a, b = inputs(), inputs()
+    torch.ops.attn_prologue.qnorm_rope_kv_insert(*a.values(), 1e-6, BS)
+    reference.qnorm_rope_kv_insert(*b.values(), 1e-6, BS)
+    assert torch.equal(a["k_cache"], b["k_cache"])
+    assert torch.equal(a["q_out"].view(torch.int16), b["q_out"].view(torch.int16))
+    assert not torch.equal(a["k_cache"], inputs()["k_cache"])  # it wrote something
+
+
+def test_compiled_equals_eager():
+    torch._dynamo.reset()
+    a, b = inputs(1), inputs(1)
+    step(**a)
+    torch.compile(step, fullgraph=True)(**b)
+    assert torch.equal(a["k_cache"], b["k_cache"])
+    assert torch.equal(a["q_out"].view(torch.int16), b["q_out"].view(torch.int16))
+
+
+def test_functionalized_graph_maps_both_mutations_back():
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = inputs(2)
+    torch.compile(step, backend=aot_autograd(fw_compiler=capture), fullgraph=True)(**x)
+    code = graphs[0].code
+    assert "auto_functionalized" in code and "attn_prologue.qnorm_rope_kv_insert" in code
+    # the mutated bases are q_out (arg2) and k_cache (arg3), and the graph returns both new values
+    assert "_q_out_base_index = 0, _k_cache_base_index = 1, _all_bases = [arg2_1, arg3_1]" in code
+    assert code.count("getitem") >= 2 and "return (getitem_1, getitem_2)" in code
+
+
+def test_inductor_reinplaces_without_copying_the_cache():
+    torch._dynamo.reset()
+    x = inputs(3)
+    _, code = run_and_get_code(torch.compile(step, fullgraph=True), *x.values())
+    src = code[0]
+    call = src[src.index("def call(self, args)"):]
+    assert "torch.ops.attn_prologue.qnorm_rope_kv_insert.default(arg0_1, arg1_1, arg2_1, arg3_1" in call
+    for copy in ("clone", "copy_", "empty_strided", "aten.copy"):
+        assert copy not in call, f"compiled graph copies something ({copy})"
+
+
+def test_kv_rope_insert_op_with_norm_weight():
+    x = inputs(4)
+    w = (torch.rand(D) + 0.5).bfloat16()
+    kc = x["k_cache"].clone()
+    torch.ops.attn_prologue.kv_rope_insert(x["kv"], x["k_cache"], x["slot_mapping"], x["positions"], x["cos_sin_cache"],
+                                           BS, "fp8_ds_mla", w, 1e-6, None)
+    reference.kv_rope_insert(x["kv"], kc, x["slot_mapping"], x["positions"], x["cos_sin_cache"], BS, norm_weight=w)
+    assert torch.equal(kc, x["k_cache"])
+
+
+def test_fake_impl_traces_without_data():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = {k: torch.empty_like(v) for k, v in inputs().items()}
+        torch.ops.attn_prologue.qnorm_rope_kv_insert(*x.values(), 1e-6, BS)
+
+
+@pytest.mark.parametrize("bad", ["positions", "q_out"])
+def test_op_validates_before_writing(bad):
+    x = inputs(5)
+    if bad == "positions":
+        x["positions"] = x["positions"].int()
+    else:
+        x["q_out"] = x["q_out"][:, :2]
+    before = x["k_cache"].clone()
+    with pytest.raises(ap.InputError):
+        torch.ops.attn_prologue.qnorm_rope_kv_insert(*x.values(), 1e-6, BS)
+    assert torch.equal(before, x["k_cache"])
