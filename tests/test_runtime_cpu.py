@@ -187,3 +187,32 @@ def test_shipped_database_loads_and_names_valid_configs():
     for e in db.entries:
         assert e["variant"] in registry.VARIANTS
         LaunchConfig.from_key(e["config"])
+
+
+# ---- tune: pruning and bucket mapping --------------------------------------------------------------
+def test_prune_drops_duplicates_and_invalid_configs_keeping_order():
+    from attn_prologue import tune
+
+    a, b = LaunchConfig(4, 1, True, True), LaunchConfig(8, 1, True, True)
+    big = LaunchConfig(32, 1, True, True)  # 1024 threads: still valid
+    assert tune.prune([a, b, a, big, b]) == [a, b, big]
+    assert len(tune.prune(tune.DEFAULT_SPACE)) == len(tune.DEFAULT_SPACE) == 32
+
+
+def test_tune_shapes_follow_the_variant():
+    from attn_prologue import tune
+
+    s = tune.shape_for("qkv_q8_d128r64_mxfp4_fp16_sm90", 64, 64, 64)
+    assert (s.head_dim, s.cache_format, s.dtype, s.q_fp8, s.op) == (128, "mxfp4", "fp16", True, "qkv")
+    assert tune.shape_for("kv_norm_d512r64_fp8_ds_mla_bf16_sm90", 8, 64, 64).op == "kv_norm"
+
+
+def test_tune_entries_take_the_fastest_config_per_bucket():
+    from attn_prologue import tune
+
+    sweep = tune.Sweep()
+    v = "qkv_d512r64_fp8_ds_mla_bf16_sm90"
+    sweep.timings = {(v, 1, "w2_u1_pdl1_nc1"): 1.5, (v, 1, "w4_u1_pdl1_nc1"): 1.4, (v, 64, "w2_u1_pdl1_nc1"): float("inf"),
+                     (v, 64, "w4_u1_pdl1_nc1"): 4.0}
+    rows = tune.entries(sweep, [v], [1, 64], ENV, 64, 64)
+    assert [(r["bucket"], r["config"], r["us"]) for r in rows] == [(1, "w4_u1_pdl1_nc1", 1.4), (64, "w4_u1_pdl1_nc1", 4.0)]

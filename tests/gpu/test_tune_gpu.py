@@ -1,0 +1,30 @@
+"""A small tuning sweep end to end on the GPU: its choice per bucket is at least as fast as the
+heuristic's config when both are re-timed afterwards."""
+
+import pytest
+import torch
+
+from attn_prologue import dispatch, ops, tune, tuning
+
+pytestmark = pytest.mark.gpu
+
+
+def test_small_sweep_beats_or_ties_the_heuristic(tmp_path):
+    arch, _ = ops.device_target(torch.device("cuda", torch.cuda.current_device()))
+    variant = f"qkv_d512r64_fp8_ds_mla_bf16_{arch}"
+    default = dispatch.default_config(arch)
+    configs = tune.prune([default, *tune.DEFAULT_SPACE[:6]])
+    buckets = [1, 64, 2048]
+    sweep = tune.run([variant], buckets, configs, jobs=2, replays=10, log=lambda msg: None)
+    assert not [f for f in sweep.failures if not f[3].startswith("pruned")]
+    env = tuning.current_environment()
+    rows = tune.entries(sweep, [variant], buckets, env, 64, 64)
+    assert [r["bucket"] for r in rows] == buckets
+    for r in rows:
+        best = tune.time_config(variant, tuning.LaunchConfig.from_key(r["config"]), r["bucket"], h=64, p=64, replays=15)
+        heur = tune.time_config(variant, default, r["bucket"], h=64, p=64, replays=15)
+        assert best <= heur * 1.03, (r, best, heur)  # equal configs re-time within noise
+    db = tuning.TuningDatabase.load(tmp_path / "db.json")
+    db.merge(rows)
+    db.save()
+    assert len(tuning.TuningDatabase.load(tmp_path / "db.json").table_for(env)) == len(buckets)
