@@ -131,7 +131,7 @@ class Result:
             "us": round(self.op["median_us"], 2),
             "GB/s": round(self.gbs, 1),
             "copy us": round(self.copy["median_us"], 2),
-            "of copy": f"{self.op and self.copy['median_us'] / self.op['median_us']:.1%}",
+            "of copy": f"{self.copy['median_us'] / self.op['median_us']:.1%}",
         }
         if self.eager:
             r["vs eager"] = f"{self.eager['median_us'] / self.op['median_us']:.1f}x"
