@@ -290,7 +290,6 @@ def host_overhead_us(shape: Shape, calls: int = 2000) -> dict:
     except Exception as exc:  # the torch op is optional here
         out["torch_ops_call_us"] = None
         out["torch_ops_error"] = str(exc)
-    out["min_us"] = out["median_us"]
     return out
 
 

@@ -57,10 +57,6 @@ def sm_count(device: torch.device) -> int:
     return n
 
 
-def target_device(target: str) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def device_target(device: torch.device) -> tuple[str, str]:
     major, minor = torch.cuda.get_device_capability(device)
     return dispatch.target_for_capability(major, minor)
@@ -76,7 +72,8 @@ class Kernel:
         self.key = KernelKey(variant, config, target)
         self.fn = (cache or default_cache()).load(self.key)
         self.signature = self.info.signature
-        self.max_ctas = config.ctas_per_sm * sm_count(target_device(target)) if config.ctas_per_sm else 0
+        # persistent configs cap the grid at ctas_per_sm x SMs of the current device
+        self.max_ctas = config.ctas_per_sm * sm_count(torch.device("cuda", torch.cuda.current_device())) if config.ctas_per_sm else 0
 
     def __call__(self, **arguments) -> None:
         arguments.setdefault("max_ctas", self.max_ctas)
@@ -289,14 +286,15 @@ def kernel_for(device: torch.device, *, op: str, q_out: str, head_dim: int, rope
                config: Optional[LaunchConfig] = None, conversions: Optional[str] = None, n_tokens: int = 1) -> Kernel:
     """The kernel for a request: the variant from the dispatcher, the config from (in order) the
     caller, the tuning database entry of the token-count bucket, the arch's default."""
-    from .tuning import bucket_of
+    from .tuning import bucket_of, heuristic_config
 
     arch, target = device_target(device)
     name = dispatch.select_variant(arch=arch, op=op, head_dim=head_dim, rope_dim=rope_dim, cache_format=cache_format,
                                    io_dtype=io, q_out=q_out, conversions=conversions)
     name = selftest.resolve(device, name, dispatch.default_config(arch), target)  # first use on this machine
     if config is None:
-        config = tuning_table().get((name, min(bucket_of(n_tokens), 1 << MAX_BUCKET_LOG2)), dispatch.default_config(arch))
+        bucket = min(bucket_of(n_tokens), 1 << MAX_BUCKET_LOG2)
+        config = tuning_table().get((name, bucket)) or heuristic_config(arch, bucket, dispatch.default_config(arch))
     key = (device, name, config)
     k = _bound.get(key)
     if k is None:

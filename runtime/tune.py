@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from . import bench, dispatch
-from .launch import LaunchConfig, all_configs  # noqa: F401  (all_configs: the --space full option)
+from .launch import LaunchConfig
 
 # The default sweep: the knobs that won somewhere on the H200 (persistent grids never did; --space full has them).
 DEFAULT_SPACE = [
