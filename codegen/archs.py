@@ -46,13 +46,14 @@ ARCH_SPECS = {
         max_warps_per_sm=64,
         max_ctas_per_sm=32,
         smem_per_block_kb=227,
-        default_config=LaunchConfig(warps_per_cta=4, pdl=True, non_coherent=True),
+        default_config=LaunchConfig(warps_per_cta=4, pdl=True, non_coherent=True, streaming=True),
         reasoning=(
             "H200: 4.8 TB/s over 132 SMs at 1.98 GHz is ~18 B/clock/SM, so ~13 KB must be in flight per "
             "SM. A D=512 row is 1 KB of loads per warp, so >= 13 resident warps per SM; at the ~44 "
             "registers/thread these kernels use, 64K registers hold ~46 warps (11 CTAs of 4 warps) per "
             "SM, ~3x what is needed. Measured on the H200: 4-warp CTAs are the best or within 1% of it "
-            "from T=256 up (tune results in results/)."
+            "from T=256 up (tune results in results/). Streaming hints (.cs) on the q/kv rows and q_out "
+            "keep the cos/sin table and the cache's partly written scale sectors in L2: 1-3% at T >= 512."
         ),
     ),
     "sm100": ArchSpec(
@@ -61,10 +62,11 @@ ARCH_SPECS = {
         max_warps_per_sm=64,
         max_ctas_per_sm=32,
         smem_per_block_kb=227,
-        default_config=LaunchConfig(warps_per_cta=4, pdl=True, non_coherent=True),
+        default_config=LaunchConfig(warps_per_cta=4, pdl=True, non_coherent=True, streaming=True),
         reasoning=(
             "B200: 8 TB/s over 148 SMs is ~28 B/clock/SM (~19 KB in flight per SM, >= 19 warps of 1 KB); "
-            "register-limited occupancy (~46 warps at ~44 registers) covers it with 4-warp CTAs. "
+            "register-limited occupancy (~46 warps at ~44 registers) covers it with 4-warp CTAs; streaming "
+            "hints as on SM90. "
             "Untuned: no SM100 GPU was available."
         ),
     ),
@@ -78,14 +80,14 @@ ARCH_SPECS = {
         max_warps_per_sm=48,
         max_ctas_per_sm=24,
         smem_per_block_kb=99,
-        default_config=LaunchConfig(warps_per_cta=2, pdl=True, non_coherent=True),
+        default_config=LaunchConfig(warps_per_cta=2, pdl=True, non_coherent=True, streaming=True),
         reasoning=(
             "SM120 has little DRAM bandwidth per SM (2.3-4.4 B/clock/SM: ~1.6-3 KB in flight per SM "
             "suffices), 48 warps and 24 CTAs per SM, and 99 KB shared memory per block (unused: this "
             "kernel keeps rows in registers, so shared memory never bounds occupancy). The scarce "
             "resource at decode sizes is SMs busy, not bytes in flight: 2-warp CTAs spread a small "
             "batch over twice as many of the 48-188 SMs; 24 CTAs x 2 warps fill the 48-warp limit "
-            "where registers allow (<= 42/thread; ~44 registers give ~46 warps). "
+            "where registers allow (<= 42/thread; ~44 registers give ~46 warps). Streaming hints as on SM90. "
             "Untuned: no SM120 GPU was available."
         ),
     ),

@@ -47,18 +47,19 @@ def tuned_configs() -> dict[tuple[str, str], set[LaunchConfig]]:
 
 
 def build_keys(
-    variants: Iterable[Variant], targets: Optional[set[str]] = None, config: Optional[LaunchConfig] = None
+    variants: Iterable[Variant], targets: Optional[set[str]] = None, configs: Optional[Iterable[LaunchConfig]] = None
 ) -> list[tuple[Variant, KernelKey]]:
-    """Every (variant, config, target) to compile: the given config, or the arch default plus the
+    """Every (variant, config, target) to compile: the given configs, or the arch default plus the
     configs the tuning database names for that variant and target."""
-    tuned = tuned_configs() if config is None else {}
+    given = set(configs or ())
+    tuned = tuned_configs() if not given else {}
     keys = []
     for v in variants:
         for t in v.arch.targets:
             if targets is not None and t not in targets:
                 continue
-            configs = {config or ARCH_SPECS[v.arch.value].default_config} | tuned.get((v.name, t), set())
-            for cfg in sorted(configs, key=lambda c: c.key):
+            chosen = (given or {ARCH_SPECS[v.arch.value].default_config}) | tuned.get((v.name, t), set())
+            for cfg in sorted(chosen, key=lambda c: c.key):
                 keys.append((v, KernelKey(v.name, cfg, t)))
     return keys
 
@@ -123,11 +124,11 @@ def run(
     jobs: Optional[int] = None,
     targets: Optional[set[str]] = None,
     variants: Optional[list[Variant]] = None,
-    config: Optional[LaunchConfig] = None,
+    configs: Optional[list[LaunchConfig]] = None,
     verbose: bool = False,
 ) -> dict:
     variants = variants if variants is not None else variant_space()
-    keys = build_keys(variants, targets, config)
+    keys = build_keys(variants, targets, configs)
     graph = cache.root / "build" / "build.ninja"
     write_graph(cache, keys, graph)
     jobs = jobs or os.cpu_count() or 2

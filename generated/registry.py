@@ -282,7 +282,7 @@ TARGETS = {
 
 # arch family -> default launch config (derived in codegen/archs.py; rendered into each module too)
 DEFAULT_CONFIGS = {
-    "sm100": "w4_u1_pdl1_nc1",
-    "sm120": "w2_u1_pdl1_nc1",
-    "sm90": "w4_u1_pdl1_nc1",
+    "sm100": "w4_u1_pdl1_nc1_cs",
+    "sm120": "w2_u1_pdl1_nc1_cs",
+    "sm90": "w4_u1_pdl1_nc1_cs",
 }

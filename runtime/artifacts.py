@@ -77,8 +77,8 @@ def ptx_facts(ptx: str) -> dict:
         vec = next((p for p in parts if p.startswith("v") and p[1:].isdigit()), "v1")
         elem = next((p for p in reversed(parts) if re.fullmatch(r"[bsuf](8|16|32|64)", p)), "b32")
         bits = int(vec[1:]) * int(elem[1:])
-        nc = ".nc" if "nc" in parts else ""
-        widths[f"{kind}{nc}.{bits}"] += 1
+        hint = ".nc" if "nc" in parts else ".cs" if "cs" in parts else ""
+        widths[f"{kind}{hint}.{bits}"] += 1
     return {
         "global_access_bits": dict(sorted(widths.items())),
         "max_load_bits": max((int(k.rsplit(".", 1)[1]) for k in widths if k.startswith("ld")), default=0),

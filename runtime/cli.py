@@ -72,10 +72,10 @@ def cmd_build(args) -> int:
         wanted = set(args.variants)
         variants = [v for v in variants if v.name in wanted or any(v.name.startswith(w) for w in wanted)]
     targets = set(args.targets.split(",")) if args.targets else None
-    config = LaunchConfig.from_key(args.config) if args.config else None
+    configs = [LaunchConfig.from_key(k) for k in args.config.split(",")] if args.config else None
     cache = _cache(args)
     print(f"build: {len(variants)} variants -> {cache.root}")
-    r = build.run(cache, jobs=args.jobs, targets=targets, variants=variants, config=config, verbose=args.verbose)
+    r = build.run(cache, jobs=args.jobs, targets=targets, variants=variants, configs=configs, verbose=args.verbose)
     print()
     print(build.summary_table(r["entries"]))
     print(f"\nbuild: {len(r['entries'])} kernels ready in {r['wall_seconds']:.1f}s wall ({r['jobs']} jobs); graph {r['graph']}")
@@ -176,17 +176,17 @@ def cmd_tune(args) -> int:
     for v, key, b, err in sweep.failures:
         print(f"FAILED {v} {key} T={b}: {err}")
     print(f"\ntune: {sweep.seconds:.1f}s, {len(new)} entries merged into {db_path}")
-    if args.plot_dir:
-        from . import plots
-
-        for v in names:
-            plots.tune_plot(sweep, v, buckets, args.heads, args.padded_heads, Path(args.plot_dir) / f"tune_{v}.png")
     if args.json:
         import json
 
         rows = [{"variant": v, "bucket": b, "config": k, "us": us} for (v, b, k), us in sorted(sweep.timings.items())]
         Path(args.json).write_text(json.dumps({"seconds": sweep.seconds, "env": env.as_dict(), "default": default.key,
                                                "timings": rows, "failures": sweep.failures}, indent=1))
+    if args.plot_dir:
+        from . import plots
+
+        for v in names:
+            plots.tune_plot(sweep, v, buckets, args.heads, args.padded_heads, Path(args.plot_dir) / f"tune_{v}.png")
     return 0
 
 
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     s.add_argument("--jobs", "-j", type=int, help="parallel compile processes (default: CPU count)")
     s.add_argument("--targets", help="comma-separated subset of sm_90a,sm_100a,sm_120a,sm_121a")
     s.add_argument("--variants", nargs="*", help="variant names or name prefixes (default: all)")
-    s.add_argument("--config", help="launch config key, e.g. w4_pdl1_nc1 (default: each arch's default)")
+    s.add_argument("--config", help="comma-separated launch config keys, e.g. w4_u1_pdl1_nc1 (default: each arch's default + tuned ones)")
     s.add_argument("--report", help="write every entry's metadata as JSON here")
     s.add_argument("--verbose", "-v", action="store_true")
     s.set_defaults(fn=cmd_build)

@@ -23,7 +23,8 @@ def block_exponent(fmt: CacheFormat, amax: torch.Tensor) -> torch.Tensor:
     if fmt.divide_by_fp_max:
         r = amax / fmt.fp_max  # IEEE float32 division
     else:
-        r = amax * torch.tensor(1.0 / fmt.fp_max, dtype=torch.float32, device=amax.device)
+        # fl32(1 / fp_max) as a device tensor: torch.full needs no host copy (CUDA-graph capturable)
+        r = amax * torch.full((), 1.0 / fmt.fp_max, dtype=torch.float32, device=amax.device)
     e = nx.ceil_log2_exponent(r)
     if fmt.exponent_clamp is not None:
         e = e.clamp(*fmt.exponent_clamp)

@@ -18,6 +18,9 @@ class LaunchConfig:
     pdl: bool = True  # programmatic dependent launch: griddepcontrol.wait / launch_dependents
     non_coherent: bool = True  # read-only loads through ld.global.nc
     ctas_per_sm: int = 0  # 0: one warp per pass group (grid covers all); k: grid <= k x SMs, warps stride
+    spread_kv: bool = False  # KV warps spaced evenly among the Q warps instead of all before them
+    streaming: bool = False  # q/kv rows loaded and q_out stored with the streaming cache hint (.cs)
+    min_ctas_per_sm: int = 0  # k > 0: launch bound .minnctapersm k (registers capped so k CTAs fit on an SM)
 
     def __post_init__(self):
         if self.warps_per_cta not in (1, 2, 4, 8, 16, 32):
@@ -26,6 +29,8 @@ class LaunchConfig:
             raise ValueError(f"passes_per_warp must be 1, 2 or 4, got {self.passes_per_warp}")
         if not 0 <= self.ctas_per_sm <= 64:
             raise ValueError(f"ctas_per_sm must be in 0..64, got {self.ctas_per_sm}")
+        if not 0 <= self.min_ctas_per_sm <= 32:
+            raise ValueError(f"min_ctas_per_sm must be in 0..32, got {self.min_ctas_per_sm}")
 
     @property
     def persistent(self) -> bool:
@@ -36,14 +41,15 @@ class LaunchConfig:
     def key(self) -> str:
         """Stable string form, used in kernel-cache keys and tuning databases."""
         k = f"w{self.warps_per_cta}_u{self.passes_per_warp}_pdl{int(self.pdl)}_nc{int(self.non_coherent)}"
-        return k + (f"_c{self.ctas_per_sm}" if self.ctas_per_sm else "")
+        return k + (f"_c{self.ctas_per_sm}" if self.ctas_per_sm else "") + ("_spread" if self.spread_kv else "") + ("_cs" if self.streaming else "") + (f"_m{self.min_ctas_per_sm}" if self.min_ctas_per_sm else "")
 
     @classmethod
     def from_key(cls, key: str) -> "LaunchConfig":
-        m = re.fullmatch(r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?", key)
+        m = re.fullmatch(r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?", key)
         if not m:
             raise ValueError(f"not a launch-config key: {key!r}")
-        return cls(int(m.group(1)), int(m.group(2)), bool(int(m.group(3))), bool(int(m.group(4))), int(m.group(5) or 0))
+        return cls(int(m.group(1)), int(m.group(2)), bool(int(m.group(3))), bool(int(m.group(4))), int(m.group(5) or 0),
+                   bool(m.group(6)), bool(m.group(7)), int(m.group(8) or 0))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -56,10 +62,13 @@ class LaunchConfig:
 def all_configs() -> list[LaunchConfig]:
     """Every config the template supports (the tuner prunes from these)."""
     return [
-        LaunchConfig(w, u, pdl, nc, c)
+        LaunchConfig(w, u, pdl, nc, c, spread, cs, m)
         for w in (1, 2, 4, 8, 16, 32)
         for u in (1, 2, 4)
         for pdl in (True, False)
         for nc in (True, False)
         for c in (0, 4, 8, 16)
+        for spread in (False, True)
+        for cs in (False, True)
+        for m in (0, min(32, 48 // w))  # a register cap for 48 resident warps
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 
 
 def _pyplot():
@@ -35,6 +36,7 @@ def bench_plot(results, path: str, meta: dict) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -68,5 +70,6 @@ def tune_plot(sweep, variant: str, buckets: list[int], h: int, p: int, path) -> 
     if len(keys) <= 12:
         ax.legend(fontsize=7)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

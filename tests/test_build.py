@@ -166,25 +166,27 @@ def _widths(meta: dict, prefix: str) -> set[int]:
 def test_global_accesses_are_128_bit(built, v, key):
     meta, ptx = _meta(built, key), _ptx(built, key)
     facts = meta["ptx"]
-    # q, kv and cos/sin (and norm weights): 128-bit read-only loads, and only those go through .nc
+    cfg = key.config
+    # q, kv and cos/sin (and norm weights): 128-bit loads. Rows take the streaming path (.cs) when the
+    # config says so, the rest the read-only path (.nc) when it says so; nothing else does.
     assert facts["max_load_bits"] == 128
     scalars = {64} | ({32} if v.format.needs_tensor_scale or v.q_out is QOut.FP8 else set())
-    if key.config.non_coherent:
-        assert "ld.global.nc.v4.b32" in ptx
-        assert _widths(meta, "ld.nc") == {128}
-        assert facts["global_access_bits"]["ld.nc.128"] >= expected_min_128bit_loads(v)
-        # the other loads are scalars: slot and position (int64), kv_scale / q_scale (float32)
-        assert _widths(meta, "ld") == scalars
-    else:  # the coherent load path: the same 128-bit vectors through plain ld.global
-        assert "ld.global.nc" not in ptx and "ld.global.v4.b32" in ptx
-        assert _widths(meta, "ld") == scalars | {128}
-        assert facts["global_access_bits"]["ld.128"] >= expected_min_128bit_loads(v)
-    # stores: 128-bit q_out rows, 8-value cache vectors, scale bytes / words; nothing split
-    assert _widths(meta, "st") == expected_store_bits(v)
+    assert _widths(meta, "ld.cs") == ({128} if cfg.streaming else set())
+    assert _widths(meta, "ld.nc") == ({128} if cfg.non_coherent else set())
+    assert ("ld.global.nc." in ptx) == cfg.non_coherent
+    # the other loads are scalars: slot and position (int64), kv_scale / q_scale (float32); cos/sin
+    # (and rows without streaming) take the plain path when not read-only
+    assert _widths(meta, "ld") == scalars | (set() if cfg.non_coherent else {128})
+    n_128 = sum(n for k, n in facts["global_access_bits"].items() if k.startswith("ld") and k.endswith(".128"))
+    assert n_128 >= expected_min_128bit_loads(v)
+    # stores: 128-bit q_out rows (streaming when configured), 8-value cache vectors, scale bytes / words
+    stores = _widths(meta, "st") | _widths(meta, "st.cs")
+    assert stores == expected_store_bits(v)
+    assert _widths(meta, "st.cs") == ({64 if v.q_out is QOut.FP8 else 128} if cfg.streaming and v.op.has_q else set())
     assert facts["max_store_bits"] == max(expected_store_bits(v))
     if v.op.has_q and v.q_out is QOut.IO:
         assert facts["max_store_bits"] == 128
-        assert "st.global.v4.b32" in ptx
+        assert ("st.global.cs.v4.b32" if cfg.streaming else "st.global.v4.b32") in ptx
 
 
 @pytest.mark.slow
@@ -625,3 +627,35 @@ def test_loading_built_entries_compiles_nothing(built):
     assert r["missing"] == "FileNotFoundError"
     assert r["cutlass"] == [], "the tvm_ffi loading path imported the DSL compiler"
     assert r["codegen_or_jinja"] == []
+
+
+# ---- every launch knob compiles on every arch ------------------------------------------------------
+KNOB_VARIANTS = ["qkv_d512r64_fp8_ds_mla_bf16_sm90", "qkv_d512r64_fp8_ds_mla_bf16_sm100", "qkv_d512r64_fp8_ds_mla_bf16_sm120"]
+
+
+@pytest.mark.slow
+def test_every_launch_knob_compiles_on_every_arch(tmp_path):
+    """The GPU suite's knob configs (run there against the reference on sm_90a) compile for SM100 and
+    SM120 too, with the knobs visible in the PTX and no local memory."""
+    from tests.gpu.cases import CONFIG_KEYS
+
+    cmd = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir", str(tmp_path), "--targets", "sm_90a,sm_100a,sm_120a",
+           "--config", ",".join(CONFIG_KEYS), "--variants", *KNOB_VARIANTS]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    cache = KernelCache(tmp_path)
+    for variant in KNOB_VARIANTS:
+        target = {"sm90": "sm_90a", "sm100": "sm_100a", "sm120": "sm_120a"}[variant.rsplit("_", 1)[1]]
+        ptxs = {}
+        for key in CONFIG_KEYS:
+            cfg = LaunchConfig.from_key(key)
+            k = KernelKey(variant, cfg, target)
+            meta = cache.read_meta(k)
+            assert meta is not None and meta["config"] == key, (variant, key)
+            ptx = (cache.entry_dir(k) / "kernel.ptx").read_text()
+            assert re.findall(r"\.reqntid (\d+), 1, 1", ptx) == [str(32 * cfg.warps_per_cta)]
+            assert (len(re.findall(r"griddepcontrol\.(wait|launch_dependents)", ptx)) == 2) == cfg.pdl
+            assert ("ld.global.nc" in ptx) == cfg.non_coherent
+            assert meta["ptx"]["local_memory"] is False and meta["resources"]["frame_bytes"] == 0, (variant, key)
+            ptxs[key] = ptx
+        assert len(set(ptxs.values())) == len(CONFIG_KEYS)  # every knob changes the code

@@ -49,9 +49,10 @@ def ue8m0_byte(r: Float32) -> Uint32:
 # A D=512 row is 1 KB of loads per warp, so >= 13 resident warps per SM; at the ~44
 # registers/thread these kernels use, 64K registers hold ~46 warps (11 CTAs of 4 warps) per SM,
 # ~3x what is needed. Measured on the H200: 4-warp CTAs are the best or within 1% of it from
-# T=256 up (tune results in results/).
+# T=256 up (tune results in results/). Streaming hints (.cs) on the q/kv rows and q_out keep the
+# cos/sin table and the cache's partly written scale sectors in L2: 1-3% at T >= 512.
 # Parts: H100 SXM 132 SMs 12.8 B/clk/SM; H200 132 SMs 18.4 B/clk/SM.
-DEFAULT_CONFIG = {'warps_per_cta': 4, 'passes_per_warp': 1, 'pdl': True, 'non_coherent': True, 'ctas_per_sm': 0}
+DEFAULT_CONFIG = {'warps_per_cta': 4, 'passes_per_warp': 1, 'pdl': True, 'non_coherent': True, 'ctas_per_sm': 0, 'spread_kv': False, 'streaming': True, 'min_ctas_per_sm': 0}
 # ---- end launch defaults -----------------------------------------------------------------------
 
 
@@ -83,15 +84,17 @@ class Kernel:
         stream: cuda.CUstream,
     ):
         per_warp = self.cfg.passes_per_warp
+        warps = self.cfg.warps_per_cta
         kv_passes = (slot_mapping.shape[0] + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
-        kv_passes = (kv_passes + (per_warp - 1)) // per_warp * per_warp  # a warp never mixes KV and Q
+        kv_group = per_warp * warps if const_expr(self.cfg.spread_kv) else per_warp  # a warp (spread: a CTA) never mixes KV and Q
+        kv_passes = (kv_passes + (kv_group - 1)) // kv_group * kv_group
         q_passes = (q_in.shape[0] * n_write_heads + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
         passes = kv_passes + q_passes
-        warps = self.cfg.warps_per_cta
-        n_warps = (passes + (per_warp - 1)) // per_warp
-        grid = (n_warps + (warps - 1)) // warps
+        units = (passes + (per_warp - 1)) // per_warp  # a unit: the passes_per_warp passes of one warp
+        grid = (units + (warps - 1)) // warps
+        spacing = cutlass.max(grid // cutlass.max(kv_passes // kv_group, 1), 1)  # spread_kv: KV CTA k is CTA k * spacing
         if const_expr(self.cfg.persistent):
-            grid = cutlass.min(grid, max_ctas)  # warps then stride over the passes
+            grid = cutlass.min(grid, max_ctas)  # warps then stride over the units
         self.kernel(
             q_in,
             kv,
@@ -110,11 +113,16 @@ class Kernel:
             max_ctas,
             kv_passes,
             passes,
+            units,
+            spacing,
         ).launch(
             grid=[grid, 1, 1],
             block=[32 * warps, 1, 1],
             stream=stream,
             use_pdl=self.cfg.pdl,
+            min_blocks_per_mp=self.cfg.min_ctas_per_sm,
+            # no shared memory: all of it as L1 (given with a register cap, the DSL would ask a GPU for the SM's size)
+            preferred_smem_carveout=0 if const_expr(self.cfg.min_ctas_per_sm) else None,
         )
 
     @cute.kernel
@@ -137,21 +145,40 @@ class Kernel:
         max_ctas: Int32,
         kv_passes: Int32,
         passes: Int32,
+        units: Int32,
+        spacing: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_wait()
         lane = tidx % 32
-        first = (bidx * self.cfg.warps_per_cta + tidx // 32) * self.cfg.passes_per_warp  # this warp's first pass
+        unit = bidx * self.cfg.warps_per_cta + tidx // 32  # this warp's unit
         if const_expr(self.cfg.persistent):
-            stride = cute.arch.grid_dim()[0] * self.cfg.warps_per_cta * self.cfg.passes_per_warp
-            for p in cutlass.range(first, passes, stride):
-                self.one_pass(p, lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale, errors, eps, block_size, n_write_heads, checked, max_ctas, kv_passes, passes)
+            stride = cute.arch.grid_dim()[0] * self.cfg.warps_per_cta
+            for w in cutlass.range(unit, units, stride):
+                self.one_pass(self.first_pass(w, kv_passes, spacing), lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale, errors, eps, block_size, n_write_heads, checked, max_ctas, kv_passes, passes)
         else:
-            self.one_pass(first, lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale, errors, eps, block_size, n_write_heads, checked, max_ctas, kv_passes, passes)
+            self.one_pass(self.first_pass(unit, kv_passes, spacing), lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale, errors, eps, block_size, n_write_heads, checked, max_ctas, kv_passes, passes)
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def first_pass(self, w: Int32, kv_passes: Int32, spacing: Int32) -> Int32:
+        """First pass of unit w. Passes are numbered KV first ([0, kv_passes) KV, then Q); units map
+        to them in that order, or with spread_kv, whole CTAs do: KV CTA k runs as CTA k * spacing and
+        the Q CTAs fill the gaps (a CTA lives as long as its slowest warp, so KV warps stay together)."""
+        u = w
+        if const_expr(self.cfg.spread_kv):
+            warps = self.cfg.warps_per_cta
+            kv_ctas = kv_passes // (self.cfg.passes_per_warp * warps)
+            cta = w // warps
+            k = cta // spacing
+            c = kv_ctas + cta - cutlass.min(k + 1, kv_ctas)  # Q CTAs before this one: CTAs minus KV CTAs up to it
+            if (cta == k * spacing) & (k < kv_ctas):
+                c = k
+            u = c * warps + (w - cta * warps)
+        return u * self.cfg.passes_per_warp
 
     @cute.jit
     def one_pass(
@@ -251,7 +278,7 @@ class Kernel:
             frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
             if live:
                 for s in range_constexpr(SLOTS):
-                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
+                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             if checked != 0:
                 bad = valid & ((position < 0) | (position >= cos_sin_cache.shape[0]))
                 if bad & (h == 0) & (sub == 0):
@@ -274,7 +301,7 @@ class Kernel:
                     out = kl.e4m3_vector(ys[s].load() / q_scale[0])  # e4m3(q / scale), saturating
                     if not live:
                         out.fill(0)
-                    kl.store_vector(out, dst, offset, cutlass.Float8E4M3FN, 8)
+                    kl.store_vector(out, dst, offset, cutlass.Float8E4M3FN, 8, self.cfg.streaming)
 
     @cute.jit
     def kv_pass(
@@ -306,7 +333,7 @@ class Kernel:
                 slot = Int64(slot_mapping[r])
                 position = Int64(positions[r])
                 for s in range_constexpr(SLOTS):
-                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
+                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             ok = slot >= 0
             if checked != 0:
                 capacity = Int64(k_cache.shape[0]) * Int64(block_size)

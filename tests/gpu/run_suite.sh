@@ -8,6 +8,8 @@ set -euo pipefail
 result=${1:-gpu-suite.json}; shift || true
 target=$(python3 -c "import torch; from attn_prologue import dispatch; print(dispatch.target_for_capability(*torch.cuda.get_device_capability())[1])")
 python3 -m attn_prologue build --targets "$target" >/dev/null
+configs=$(python3 -c "from tests.gpu.cases import CONFIG_KEYS, CONFIG_VARIANTS as V; print(','.join(CONFIG_KEYS), ' '.join(v.replace('_sm90', '') for v in V))")
+python3 -m attn_prologue build --targets "$target" --config ${configs%% *} --variants ${configs#* } >/dev/null
 start=$(date +%s)
 set +e
 python3 -m pytest tests -m gpu -q -p no:cacheprovider --junitxml "$result.xml" "$@"

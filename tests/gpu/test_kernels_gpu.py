@@ -10,9 +10,10 @@ import torch
 
 from attn_prologue import dispatch, ops
 from attn_prologue.formats import get_format
+from attn_prologue.launch import LaunchConfig
 from attn_prologue.generated import registry
 
-from .cases import Case, compare, describe_mismatch, make_inputs, run_kernel, run_reference
+from .cases import CONFIG_KEYS, CONFIG_VARIANTS, Case, compare, describe_mismatch, make_inputs, run_kernel, run_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -45,6 +46,15 @@ def cases_for(name: str) -> list[Case]:
 def test_variant_matches_reference(name):
     for case in cases_for(name):
         check(case)
+
+
+# Every launch knob against the reference (CONFIG_KEYS in cases.py; run_suite.sh prebuilds them).
+@pytest.mark.parametrize("key", CONFIG_KEYS)
+@pytest.mark.parametrize("name", CONFIG_VARIANTS)
+def test_launch_configs_match_reference(name, key):
+    config = LaunchConfig.from_key(key)
+    for case in cases_for(name):
+        check(case, config=config)
 
 
 MAIN = dict(head_dim=512, rope_dim=64, cache_format="fp8_ds_mla", dtype="bf16")

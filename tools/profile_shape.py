@@ -1,0 +1,77 @@
+"""Where the time of one bench shape goes, on a GPU: ablations timed like `bench` (CUDA-graph
+replay, cold L2) and, under Nsight Compute, the kernels' counters.
+
+  python tools/profile_shape.py --n 8192 --h 16 --p 16 [--config KEY] [--json out.json]
+  ncu --clock-control none --profile-from-start off --metrics ... python tools/profile_shape.py ... --ncu
+
+Ablations (same inputs, same run): the op; the op with every slot -1 (KV rows loaded, nothing
+written to the cache); the KV-only op (kv_rope_insert) on the same rows; the copy of the op's bytes.
+With --ncu, each is launched once between cudaProfilerStart/Stop instead of timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--h", type=int, default=16)
+    ap.add_argument("--p", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=512)
+    ap.add_argument("--format", default="fp8_ds_mla")
+    ap.add_argument("--config", action="append", help="launch config key(s); default: the dispatcher's choice")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--ncu", action="store_true", help="launch each case once inside cudaProfilerStart/Stop")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    sys.argv = sys.argv[:1]  # a module imported below parses sys.argv at import time
+
+    import torch
+
+    from attn_prologue import bench
+    from attn_prologue.launch import LaunchConfig
+
+    shape = bench.Shape(n=a.n, h=a.h, p=a.p, head_dim=a.head_dim, cache_format=a.format)
+    kv_shape = bench.Shape(n=a.n, h=a.h, p=a.p, head_dim=a.head_dim, cache_format=a.format, op="kv")
+    nsets = bench.sets_for_cold_l2(shape)
+    sets = bench.input_sets(shape, nsets)
+    skip = [dict(s, slot_mapping=torch.full_like(s["slot_mapping"], -1)) for s in sets]
+    configs = [LaunchConfig.from_key(k) for k in a.config] if a.config else [None]
+    cases = {}
+    for cfg in configs:
+        tag = cfg.key if cfg else "dispatch"
+        cases[f"op[{tag}]"] = bench.op_fns(shape, sets, config=cfg)
+        cases[f"op, slots -1[{tag}]"] = bench.op_fns(shape, skip, config=cfg)
+        cases[f"kv only[{tag}]"] = bench.op_fns(kv_shape, sets, config=cfg)
+    copy = bench.copy_fns(shape.min_bytes(), nsets, "sm")
+    memcpy = bench.copy_fns(shape.min_bytes(), nsets, "memcpy")
+    copy_kv = bench.copy_fns(kv_shape.min_bytes(), nsets, "sm")
+    if a.ncu:
+        for fns in [*cases.values(), copy, copy_kv]:
+            fns[0]()  # compile / bind outside the profiled range
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for fns in [*cases.values(), copy, copy_kv]:
+            fns[1 % len(fns)]()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        print("profiled, in order:", list(cases) + ["copy", "copy kv bytes"])
+        return
+    calls = max(nsets, 20)
+    out = {"shape": shape.label, "bytes": shape.min_bytes(), "kv_bytes": kv_shape.min_bytes(), "us": {}}
+    for name, fns in [*cases.items(), ("copy", copy), ("memcpy", memcpy), ("copy kv bytes", copy_kv)]:
+        out["us"][name] = bench.graph_time_us(fns, replays=a.replays, calls_per_graph=calls)["median_us"]
+    for name, us in out["us"].items():
+        nbytes = kv_shape.min_bytes() if "kv" in name else shape.min_bytes()
+        print(f"{name:40} {us:9.2f} us  {nbytes / us / 1e3:8.1f} GB/s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
