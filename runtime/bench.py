@@ -236,8 +236,11 @@ def run_shape(shape: Shape, *, baselines: bool = True, replays: int = 30, config
     res = Result(asdict(shape), shape.min_bytes(), op, copy)
     if baselines:
         few = sets[: min(2, len(sets))]
-        res.eager = graph_time_us(op_fns(shape, few, "eager"), replays=5, calls_per_graph=2)
-        res.compiled = graph_time_us(op_fns(shape, few, "compiled"), replays=5, calls_per_graph=2)
+        for impl in ("eager", "compiled"):
+            try:
+                setattr(res, impl, graph_time_us(op_fns(shape, few, impl), replays=5, calls_per_graph=2))
+            except Exception as exc:  # a baseline that cannot run is reported, not fatal
+                res.extra[f"{impl}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     return res
 
 

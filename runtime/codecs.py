@@ -89,7 +89,7 @@ def encode_tokens(
             if fmt.scale_pad_bytes:
                 scale = torch.cat((scale, scale.new_zeros((m, fmt.scale_pad_bytes))), dim=1)
         else:  # F32_POW2
-            scale = nx.pow2_f32(e).view(torch.uint8).reshape(m, 4 * e.shape[1])
+            scale = nx.pow2_f32_bytes(e).reshape(m, 4 * e.shape[1])
     if tail:
         parts.append(x[:, nq:].to(torch.bfloat16).view(torch.uint8).reshape(m, 2 * tail))
     data = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -87,6 +87,12 @@ def pow2_f32(e: torch.Tensor) -> torch.Tensor:
     return ((e + 127).to(torch.int32) << 23).view(torch.float32)
 
 
+def pow2_f32_bytes(e: torch.Tensor) -> torch.Tensor:
+    """The 4 little-endian bytes of pow2_f32(e), by shifts (torch.compile traces no 4-to-1-byte view)."""
+    bits = (e + 127).to(torch.int32) << 23
+    return torch.stack([(bits >> s) & 0xFF for s in (0, 8, 16, 24)], dim=-1).to(torch.uint8).flatten(-2)
+
+
 def nan_ignoring_amax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """max |x| along dim, ignoring NaN like PTX `max.f32` (an all-NaN block gives 0)."""
     a = x.abs()
