@@ -337,3 +337,61 @@ def default_shapes(which: str = "targets") -> list[Shape]:
             shapes += [Shape(n=t, h=64, p=64, head_dim=128, cache_format=fmt) for t in (1, 64, 2048, 8192)]
         shapes += [Shape(n=t, h=64, p=64, cache_format="mxfp8") for t in (1, 2048, 8192)]
     return shapes
+
+
+# ---- the issue's targets, checked against a bench JSON -------------------------------------------
+# (name, which results it applies to, what is measured, the bound, "min" = measured must be >= bound
+# or "max" = measured must be <= bound). H200, bf16, fp8_ds_mla, D=512, block size 64.
+def _main(s: dict) -> bool:
+    return (s["head_dim"], s["cache_format"], s["block_size"], s["dtype"], s["op"]) == (512, "fp8_ds_mla", 64, "bf16", "qkv")
+
+
+TARGETS = [
+    ("T >= 2048, (64,64) and (16,16): of copy", lambda s: _main(s) and s["n"] >= 2048 and (s["h"], s["p"]) in ((64, 64), (16, 16)),
+     "of_copy", 0.95, "min"),
+    ("T = 512, (64,64): of copy", lambda s: _main(s) and s["n"] == 512 and (s["h"], s["p"]) == (64, 64), "of_copy", 0.85, "min"),
+    ("T in {1, 8}, (64,64) (32,32) (16,16): us per call", lambda s: _main(s) and s["n"] in (1, 8) and s["h"] == s["p"] in (64, 32, 16),
+     "us", 2.5, "max"),
+    ("T = 64, (64,64): us per call", lambda s: _main(s) and s["n"] == 64 and (s["h"], s["p"]) == (64, 64), "us", 4.0, "max"),
+    ("every shape: speedup over torch.compile", lambda s: True, "vs_compile", 2.0, "min"),
+]
+
+
+def _measures(r: dict) -> dict:
+    out = {"us": r["op"]["median_us"], "of_copy": r["copy"]["median_us"] / r["op"]["median_us"]}
+    if r.get("compiled"):
+        out["vs_compile"] = r["compiled"]["median_us"] / r["op"]["median_us"]
+    return out
+
+
+def check_targets(data: dict) -> list[dict]:
+    """One row per (target, shape) plus the zero-once and host-overhead targets, each with met: bool."""
+    rows = []
+    results = data["results"]
+    for name, applies, metric, bound, kind in TARGETS:
+        for r in results:
+            m = _measures(r).get(metric)
+            if not applies(r["shape"]) or m is None:
+                continue
+            met = m >= bound if kind == "min" else m <= bound
+            rows.append({"target": name, "shape": Shape(**r["shape"]).label, "measured": m, "bound": bound, "met": met})
+    by_label = {(r["shape"]["n"], r["shape"]["zero_once"]): r for r in results if _main(r["shape"]) and (r["shape"]["h"], r["shape"]["p"]) == (8, 64)}
+    for n in sorted({n for n, _ in by_label}):
+        if (n, True) in by_label and (n, False) in by_label:
+            m = by_label[(n, False)]["op"]["median_us"] / by_label[(n, True)]["op"]["median_us"]
+            rows.append({"target": "(8,64) zero-once vs write-pads: speedup", "shape": f"T={n}", "measured": m, "bound": 3.0, "met": m >= 3.0})
+    host = data.get("meta", {}).get("host_overhead")
+    if host:
+        for key in ("bound_op_us", "median_us"):
+            name = {"bound_op_us": "bound op", "median_us": "one-call function"}[key]
+            rows.append({"target": "eager host overhead, T=1: us", "shape": name, "measured": host[key], "bound": 8.0,
+                         "met": host[key] <= 8.0})
+    return rows
+
+
+def print_targets(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        fmt = f"{r['measured']:.1%}" if r["bound"] < 1 else f"{r['measured']:.2f}"
+        lines.append(f"{'met   ' if r['met'] else 'MISSED'}  {r['target']:52} {r['shape']:48} {fmt:>8} (bound {r['bound']:g})")
+    return "\n".join(lines)

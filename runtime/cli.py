@@ -134,7 +134,21 @@ def cmd_bench(args) -> int:
         from . import plots
 
         plots.bench_plot(results, args.png, meta)
+    rows = bench.check_targets({"results": [r.as_json() for r in results], "meta": meta})
+    print("\n" + bench.print_targets(rows))
     return 0
+
+
+def cmd_targets(args) -> int:
+    import json
+
+    from . import bench
+
+    rows = bench.check_targets(json.loads(Path(args.json).read_text()))
+    print(bench.print_targets(rows))
+    missed = sum(not r["met"] for r in rows)
+    print(f"\ntargets: {len(rows) - missed} met, {missed} missed ({args.json})")
+    return 0 if missed == 0 else 1
 
 
 def cmd_tune(args) -> int:
@@ -239,6 +253,10 @@ def main(argv=None) -> int:
     s.add_argument("--json", help="write results here")
     s.add_argument("--png", help="draw GB/s against token count here")
     s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("targets", help="check the performance targets against a bench JSON (no GPU needed)")
+    s.add_argument("json", help="a file written by `bench --json`")
+    s.set_defaults(fn=cmd_targets)
 
     s = sub.add_parser("tune", help="sweep launch configs per token-count bucket on this GPU; write the tuning database")
     s.add_argument("--variants", nargs="*", help="variant names or prefixes (default: every variant of this GPU's arch)")

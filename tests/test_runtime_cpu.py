@@ -1,6 +1,7 @@
 """Dispatcher selection and errors, the scratch pool's accounting, locking and views, the tuning
 database (round trip, merge, mismatch and corruption), and the config heuristic, on CPU."""
 
+import dataclasses
 import json
 import warnings
 
@@ -216,3 +217,34 @@ def test_tune_entries_take_the_fastest_config_per_bucket():
                      (v, 64, "w4_u1_pdl1_nc1"): 4.0}
     rows = tune.entries(sweep, [v], [1, 64], ENV, 64, 64)
     assert [(r["bucket"], r["config"], r["us"]) for r in rows] == [(1, "w4_u1_pdl1_nc1", 1.4), (64, "w4_u1_pdl1_nc1", 4.0)]
+
+
+def test_target_checker_on_a_synthetic_bench_file():
+    """`attn_prologue targets` reads a bench JSON; each bound is checked on the side it names."""
+    from attn_prologue import bench
+
+    def result(n, h, p, us, copy_us, compiled_us=None, zero_once=False):
+        shape = dataclasses.asdict(bench.Shape(n=n, h=h, p=p, zero_once=zero_once))
+        return {"shape": shape, "op": {"median_us": us}, "copy": {"median_us": copy_us},
+                "compiled": {"median_us": compiled_us} if compiled_us else None}
+
+    data = {"results": [
+        result(8192, 16, 16, 100.0, 94.0, compiled_us=300.0),  # 94% of copy: missed
+        result(2048, 64, 64, 100.0, 96.0, compiled_us=150.0),  # 96%: met; 1.5x vs compile: missed
+        result(8, 32, 32, 2.4, 2.0),  # 2.4 us <= 2.5: met
+        result(64, 64, 64, 4.1, 4.0),  # 4.1 us > 4.0: missed
+        result(2048, 8, 64, 40.0, 39.0), result(2048, 8, 64, 10.0, 9.0, zero_once=True),  # 4x: met
+    ], "meta": {"host_overhead": {"bound_op_us": 7.9, "median_us": 8.1}}}
+    rows = bench.check_targets(data)
+    got = {(r["target"].split(":")[0], r["shape"]): r["met"] for r in rows}
+    assert got == {
+        ("T >= 2048, (64,64) and (16,16)", "qkv fp8_ds_mla D=512 T=8192 H=16 P=16"): False,
+        ("T >= 2048, (64,64) and (16,16)", "qkv fp8_ds_mla D=512 T=2048 H=64 P=64"): True,
+        ("T in {1, 8}, (64,64) (32,32) (16,16)", "qkv fp8_ds_mla D=512 T=8 H=32 P=32"): True,
+        ("T = 64, (64,64)", "qkv fp8_ds_mla D=512 T=64 H=64 P=64"): False,
+        ("every shape", "qkv fp8_ds_mla D=512 T=8192 H=16 P=16"): True,
+        ("every shape", "qkv fp8_ds_mla D=512 T=2048 H=64 P=64"): False,
+        ("(8,64) zero-once vs write-pads", "T=2048"): True,
+        ("eager host overhead, T=1", "bound op"): True,
+        ("eager host overhead, T=1", "one-call function"): False,
+    }

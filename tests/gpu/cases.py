@@ -18,11 +18,12 @@ from attn_prologue.formats import get_format
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Launch configs covering every knob: CTA size, passes per warp, PDL, ld.global.nc, persistent grids
-# (cases with n=513 exceed 4 CTAs x 132 SMs, so warps stride) and KV spread. The GPU suite runs them
+# (cases with n=513 exceed 4 CTAs x 132 SMs, so warps stride), KV spread, streaming hints with a
+# register cap (the default config has streaming hints: every other GPU test runs them). The GPU suite runs them
 # against the reference; tests/test_build.py compiles them for every arch.
 CONFIG_KEYS = [
     "w4_u1_pdl1_nc1_spread", "w8_u2_pdl0_nc0_spread", "w2_u4_pdl1_nc1", "w1_u4_pdl0_nc1_spread",
-    "w16_u1_pdl1_nc1_spread", "w4_u2_pdl1_nc1_c4", "w4_u1_pdl1_nc1_c4_spread",
+    "w16_u1_pdl1_nc1_spread", "w4_u2_pdl1_nc1_c4", "w4_u1_pdl1_nc1_c4_spread", "w8_u1_pdl0_nc0_cs_m6",
 ]
 CONFIG_VARIANTS = ["qkv_d512r64_fp8_ds_mla_bf16_sm90", "qkv_d128r64_mxfp4_bf16_sm90", "qkv_q8_d128r64_fp8_token_bf16_sm90",
                    "kv_norm_d512r64_mxfp8_bf16_sm90"]
