@@ -53,7 +53,7 @@ ARCH_SPECS = {
             "registers/thread these kernels use, 64K registers hold ~46 warps (11 CTAs of 4 warps) per "
             "SM, ~3x what is needed. Measured on the H200: 4-warp CTAs are the best or within 1% of it "
             "from T=256 up (tune results in results/). Streaming hints (.cs) on the q/kv rows and q_out "
-            "keep the cos/sin table and the cache's partly written scale sectors in L2: 1-3% at T >= 512."
+            "measured 0.3-4% faster at T >= 512 (results/experiments/ab2_*.json)."
         ),
     ),
     "sm100": ArchSpec(

@@ -317,9 +317,14 @@ def print_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def document(results: list[Result], meta: dict) -> dict:
+    """What `bench --json` writes and `targets` reads."""
+    return {"meta": meta, "results": [r.as_json() for r in results]}
+
+
 def save(results: list[Result], path: str, meta: dict) -> None:
     with open(path, "w") as f:
-        json.dump({"meta": meta, "results": [r.as_json() for r in results]}, f, indent=1)
+        json.dump(document(results, meta), f, indent=1)
 
 
 def default_shapes(which: str = "targets") -> list[Shape]:
@@ -375,10 +380,10 @@ def check_targets(data: dict) -> list[dict]:
                 continue
             met = m >= bound if kind == "min" else m <= bound
             rows.append({"target": name, "shape": Shape(**r["shape"]).label, "measured": m, "bound": bound, "met": met})
-    by_label = {(r["shape"]["n"], r["shape"]["zero_once"]): r for r in results if _main(r["shape"]) and (r["shape"]["h"], r["shape"]["p"]) == (8, 64)}
-    for n in sorted({n for n, _ in by_label}):
-        if (n, True) in by_label and (n, False) in by_label:
-            m = by_label[(n, False)]["op"]["median_us"] / by_label[(n, True)]["op"]["median_us"]
+    pads = {(r["shape"]["n"], r["shape"]["zero_once"]): r for r in results if _main(r["shape"]) and (r["shape"]["h"], r["shape"]["p"]) == (8, 64)}
+    for n in sorted({n for n, _ in pads}):
+        if (n, True) in pads and (n, False) in pads:
+            m = pads[(n, False)]["op"]["median_us"] / pads[(n, True)]["op"]["median_us"]
             rows.append({"target": "(8,64) zero-once vs write-pads: speedup", "shape": f"T={n}", "measured": m, "bound": 3.0, "met": m >= 3.0})
     host = data.get("meta", {}).get("host_overhead")
     if host:

@@ -134,7 +134,7 @@ def cmd_bench(args) -> int:
         from . import plots
 
         plots.bench_plot(results, args.png, meta)
-    rows = bench.check_targets({"results": [r.as_json() for r in results], "meta": meta})
+    rows = bench.check_targets(bench.document(results, meta))
     print("\n" + bench.print_targets(rows))
     return 0
 

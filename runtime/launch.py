@@ -18,7 +18,7 @@ class LaunchConfig:
     pdl: bool = True  # programmatic dependent launch: griddepcontrol.wait / launch_dependents
     non_coherent: bool = True  # read-only loads through ld.global.nc
     ctas_per_sm: int = 0  # 0: one warp per pass group (grid covers all); k: grid <= k x SMs, warps stride
-    spread_kv: bool = False  # KV warps spaced evenly among the Q warps instead of all before them
+    spread_kv: bool = False  # KV CTAs spaced evenly among the Q CTAs instead of all before them
     streaming: bool = False  # q/kv rows loaded and q_out stored with the streaming cache hint (.cs)
     min_ctas_per_sm: int = 0  # k > 0: launch bound .minnctapersm k (registers capped so k CTAs fit on an SM)
 
@@ -41,7 +41,15 @@ class LaunchConfig:
     def key(self) -> str:
         """Stable string form, used in kernel-cache keys and tuning databases."""
         k = f"w{self.warps_per_cta}_u{self.passes_per_warp}_pdl{int(self.pdl)}_nc{int(self.non_coherent)}"
-        return k + (f"_c{self.ctas_per_sm}" if self.ctas_per_sm else "") + ("_spread" if self.spread_kv else "") + ("_cs" if self.streaming else "") + (f"_m{self.min_ctas_per_sm}" if self.min_ctas_per_sm else "")
+        if self.ctas_per_sm:
+            k += f"_c{self.ctas_per_sm}"
+        if self.spread_kv:
+            k += "_spread"
+        if self.streaming:
+            k += "_cs"
+        if self.min_ctas_per_sm:
+            k += f"_m{self.min_ctas_per_sm}"
+        return k
 
     @classmethod
     def from_key(cls, key: str) -> "LaunchConfig":

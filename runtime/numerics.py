@@ -84,12 +84,16 @@ def ceil_log2_exponent(r: torch.Tensor) -> torch.Tensor:
 
 def pow2_f32(e: torch.Tensor) -> torch.Tensor:
     """2^e as float32 for integer e in [-126, 128] (128 gives +Inf), built from the bits."""
-    return ((e + 127).to(torch.int32) << 23).view(torch.float32)
+    return _pow2_bits(e).view(torch.float32)
+
+
+def _pow2_bits(e: torch.Tensor) -> torch.Tensor:
+    return (e + 127).to(torch.int32) << 23
 
 
 def pow2_f32_bytes(e: torch.Tensor) -> torch.Tensor:
     """The 4 little-endian bytes of pow2_f32(e), by shifts (torch.compile traces no 4-to-1-byte view)."""
-    bits = (e + 127).to(torch.int32) << 23
+    bits = _pow2_bits(e)
     return torch.stack([(bits >> s) & 0xFF for s in (0, 8, 16, 24)], dim=-1).to(torch.uint8).flatten(-2)
 
 

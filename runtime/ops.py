@@ -309,7 +309,6 @@ def kernels_by_bucket(device, **request) -> list:
 
 
 _fast_qkv: dict[tuple, tuple] = {}
-_UINT8 = torch.uint8
 
 
 def _bind_qkv(q_in, cos_sin_cache, cache_format, fp8_out, config, conversions):
@@ -334,7 +333,7 @@ def qnorm_rope_kv_insert(
         ok = (
             kv.shape[0] == n and positions.shape[0] == n and slot_mapping.shape[0] <= n and q_out.shape[0] >= n
             and p >= h and block_size > 0 and k_cache.shape[1] >= block_size * bpt and eps >= 0
-            and k_cache.dtype is _UINT8
+            and k_cache.dtype is torch.uint8
             and (kv_scale is not None) == needs_scale and (p == h or q_out.data_ptr() != q_in.data_ptr())
         )
     except (KeyError, AttributeError, TypeError, ValueError, IndexError):

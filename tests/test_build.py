@@ -220,9 +220,12 @@ def test_no_local_memory(built, v, key):
 @pytest.mark.slow
 @pytest.mark.parametrize("v, key", ENTRIES, ids=ENTRY_IDS)
 def test_launch_config_is_compiled_in(built, v, key):
-    ptx = _ptx(built, key)
-    assert re.findall(r"\.reqntid (\d+), 1, 1", ptx) == [str(32 * key.config.warps_per_cta)]
-    assert (len(re.findall(r"griddepcontrol\.(wait|launch_dependents)", ptx)) == 2) == key.config.pdl
+    assert_config_in_ptx(_ptx(built, key), key.config)
+
+
+def assert_config_in_ptx(ptx: str, cfg: LaunchConfig) -> None:
+    assert re.findall(r"\.reqntid (\d+), 1, 1", ptx) == [str(32 * cfg.warps_per_cta)]
+    assert (len(re.findall(r"griddepcontrol\.(wait|launch_dependents)", ptx)) == 2) == cfg.pdl
 
 
 # ---- 64-bit token offsets, by data flow in the PTX --------------------------------------------------
@@ -645,7 +648,7 @@ def test_every_launch_knob_compiles_on_every_arch(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     cache = KernelCache(tmp_path)
     for variant in KNOB_VARIANTS:
-        target = {"sm90": "sm_90a", "sm100": "sm_100a", "sm120": "sm_120a"}[variant.rsplit("_", 1)[1]]
+        target = registry.TARGETS[variant.rsplit("_", 1)[1]][0]
         ptxs = {}
         for key in CONFIG_KEYS:
             cfg = LaunchConfig.from_key(key)
@@ -653,8 +656,7 @@ def test_every_launch_knob_compiles_on_every_arch(tmp_path):
             meta = cache.read_meta(k)
             assert meta is not None and meta["config"] == key, (variant, key)
             ptx = (cache.entry_dir(k) / "kernel.ptx").read_text()
-            assert re.findall(r"\.reqntid (\d+), 1, 1", ptx) == [str(32 * cfg.warps_per_cta)]
-            assert (len(re.findall(r"griddepcontrol\.(wait|launch_dependents)", ptx)) == 2) == cfg.pdl
+            assert_config_in_ptx(ptx, cfg)
             assert ("ld.global.nc" in ptx) == cfg.non_coherent
             assert meta["ptx"]["local_memory"] is False and meta["resources"]["frame_bytes"] == 0, (variant, key)
             ptxs[key] = ptx

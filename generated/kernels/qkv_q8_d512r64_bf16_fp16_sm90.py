@@ -49,8 +49,8 @@ def ue8m0_byte(r: Float32) -> Uint32:
 # A D=512 row is 1 KB of loads per warp, so >= 13 resident warps per SM; at the ~44
 # registers/thread these kernels use, 64K registers hold ~46 warps (11 CTAs of 4 warps) per SM,
 # ~3x what is needed. Measured on the H200: 4-warp CTAs are the best or within 1% of it from
-# T=256 up (tune results in results/). Streaming hints (.cs) on the q/kv rows and q_out keep the
-# cos/sin table and the cache's partly written scale sectors in L2: 1-3% at T >= 512.
+# T=256 up (tune results in results/). Streaming hints (.cs) on the q/kv rows and q_out measured
+# 0.3-4% faster at T >= 512 (results/experiments/ab2_*.json).
 # Parts: H100 SXM 132 SMs 12.8 B/clk/SM; H200 132 SMs 18.4 B/clk/SM.
 DEFAULT_CONFIG = {'warps_per_cta': 4, 'passes_per_warp': 1, 'pdl': True, 'non_coherent': True, 'ctas_per_sm': 0, 'spread_kv': False, 'streaming': True, 'min_ctas_per_sm': 0}
 # ---- end launch defaults -----------------------------------------------------------------------
