@@ -14,6 +14,8 @@ from .variants import Op, QOut, Variant
 
 VEC = 8
 WARP = 32
+TOKENS = "tokens"  # name of the shared symbolic token count in the generated fake_arguments()
+PAD_VECTORS_PER_LANE = 8  # pad heads are zeroed 4 KB per warp pass (32 lanes x 8 x 16 bytes)
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,13 @@ def signature(v: Variant) -> list[Argument]:
     io, d = "IO_DTYPE", "HEAD_DIM"
     sym, sym64 = "cute.sym_int32()", "cute.sym_int64(divisibility=8)"
     rows3 = f"({sym}, {sym}, {d}), ({sym64}, {d}, 1)"
+    # q_in, kv and positions of the qkv op share one symbolic token count: TVM-FFI then refuses a
+    # call whose row counts differ before launching (the Python hot path does not check them)
+    tokens = TOKENS if v.op is Op.QKV else sym
     args = []
     if v.op is Op.QKV:
-        args.append(_tensor("q_in", f"make_fake_tensor({io}, {rows3}, assumed_align=16)"))
-    args.append(_tensor("kv", f"make_fake_tensor({io}, ({sym}, {d}), ({sym64}, 1), assumed_align=16)"))
+        args.append(_tensor("q_in", f"make_fake_tensor({io}, ({tokens}, {sym}, {d}), ({sym64}, {d}, 1), assumed_align=16)"))
+    args.append(_tensor("kv", f"make_fake_tensor({io}, ({tokens}, {d}), ({sym64}, 1), assumed_align=16)"))
     if v.op is Op.QKV:
         if v.q_out is QOut.FP8:
             args.append(_tensor("q_out", f"make_fake_tensor(Uint8, {rows3}, assumed_align=16)"))
@@ -46,7 +51,7 @@ def signature(v: Variant) -> list[Argument]:
     args += [
         _tensor("k_cache", f"make_fake_tensor(Uint8, ({sym}, {sym}), (cute.sym_int64(divisibility=16), 1), assumed_align=16)"),
         _tensor("slot_mapping", f"make_fake_compact_tensor(Int64, ({sym},), assumed_align=8)"),
-        _tensor("positions", f"make_fake_compact_tensor(Int64, ({sym},), assumed_align=8)"),
+        _tensor("positions", f"make_fake_compact_tensor(Int64, ({tokens},), assumed_align=8)"),
         _tensor(
             "cos_sin_cache",
             f"make_fake_compact_tensor(Float32, ({sym}, ROPE_DIM), stride_order=(1, 0), assumed_align=16)",
@@ -86,6 +91,7 @@ def make_plan(v: Variant) -> dict:
         "tail_vector": (d - r) // VEC,
         "io_bytes": 2,
         "q_out_bytes": 1 if v.q_out is QOut.FP8 else 2,
+        "pad_vectors_per_lane": PAD_VECTORS_PER_LANE,
         "encoder": encoder,
         "data_bytes": f.data_bytes(d),
         "scale_bytes": f.scale_bytes(d),
@@ -103,6 +109,7 @@ def make_plan(v: Variant) -> dict:
         "scale": "ue8m0" if f.scale is ScaleCode.UE8M0 else "f32",
         "needs_e2m1": f.element is ElementCode.E2M1,
         "signature": sig,
+        "shared_symbols": {TOKENS: "cute.sym_int32()"} if v.op is Op.QKV else {},
         "arguments": tuple(a.name for a in sig),
     }
 

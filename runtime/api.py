@@ -13,6 +13,7 @@ its per-call Python path is a few integer checks and one kernel call (CUDA-graph
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -51,12 +52,15 @@ class BoundOp:
         arch, _ = ops.device_target(device)
         dispatch.select_variant(arch=arch, op="qkv", head_dim=head_dim, rope_dim=rope_dim, cache_format=cache_format,
                                 io_dtype=ops.IO_DTYPES[dtype], q_out=request["q_out"])  # UnsupportedError early
-        self.fns = ops.kernels_by_bucket(device, **request)
+        fns = ops.kernels_by_bucket(device, heads=num_heads, **request)
         self.errors = ops.errors_buffer(device)
         self.h, self.p, self.head_dim, self.block_size, self.eps = num_heads, p, head_dim, block_size, float(eps)
         self.cache_format, self.dtype, self.device, self.checked = cache_format, dtype, device, 1 if checked else 0
         self.kv_scale, self.q_scale = kv_scale, q_scale
         self.bytes_per_token = fmt.bytes_per_token(head_dim)
+        # per token-count bucket: the kernel and the arguments after the caller's tensors
+        scales = tuple(t for t in (kv_scale, q_scale) if t is not None)
+        self._calls = [(fn, (*scales, self.errors, self.eps, block_size, num_heads, self.checked, max_ctas)) for fn, max_ctas in fns]
         self.in_place = pool is None
         if self.in_place:
             if p != num_heads:
@@ -64,7 +68,7 @@ class BoundOp:
             if q8:
                 raise ScratchError("an FP8 q_out needs a ScratchPool (FP8 Q cannot be written in place)")
             self.buffers = []
-            self.capacity = None
+            self.capacity = sys.maxsize
         else:
             out_dtype = torch.float8_e4m3fn if q8 else dtype
             self.buffers = [
@@ -74,39 +78,38 @@ class BoundOp:
             if q8:
                 self.buffers = [b.view(torch.uint8) for b in self.buffers]
             self.capacity = min(b.shape[0] for b in self.buffers)
-            self.views = [dict() for _ in self.buffers]
             self.pool = pool
+        # micro-batch -> (kernel's q_out, the views returned per token count)
+        self._out = {mb: (b, {}) for mb, b in enumerate(self.buffers)}
         self._k_cache = None
 
     def __call__(self, q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, *, micro_batch: int = 0):
-        """Run the op; returns q_out: [N, P, D] (a scratch view), or q_in itself when written in place."""
+        """Run the op; returns q_out: [N, P, D] (a scratch view), or q_in itself when written in place.
+
+        Checked here per call: M <= N, N fits the scratch, the micro-batch, and (when k_cache is not
+        the one of the last call) the whole argument list. The compiled function checks the rest
+        (dtypes, shapes, strides, alignment, device, equal row counts of q_in, kv and positions)."""
         n = q_in.shape[0]
-        if kv.shape[0] != n or positions.shape[0] != n or slot_mapping.shape[0] > n or k_cache is not self._k_cache:
+        if slot_mapping.shape[0] > n or n > self.capacity or k_cache is not self._k_cache:
             self._full_check(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch)
         if self.in_place:
-            out = q_in
+            out, views = q_in, None
         else:
-            if n > self.capacity:
-                raise ScratchError(f"{n} tokens exceed the {self.capacity} reserved in the scratch pool (locked: "
-                                   f"{self.pool.locked}); reserve max_num_batched_tokens at profile time")
-            out = self.buffers[micro_batch]
+            try:
+                out, views = self._out[micro_batch]
+            except (KeyError, TypeError):
+                self._check_micro_batch(micro_batch)
+                raise
         if n == 0:
             return out[:0]
-        fn, max_ctas = self.fns[min((n - 1).bit_length(), ops.MAX_BUCKET_LOG2)]
+        fn, tail = self._calls[min((n - 1).bit_length(), ops.MAX_BUCKET_LOG2)]
         try:
-            if self.kv_scale is None and self.q_scale is None:
-                fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, self.errors, self.eps,
-                   self.block_size, self.h, self.checked, max_ctas)
-            else:
-                extra = [t for t in (self.kv_scale, self.q_scale) if t is not None]
-                fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, *extra, self.errors, self.eps,
-                   self.block_size, self.h, self.checked, max_ctas)
+            fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, *tail)
         except Exception as exc:
             self._full_check(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch)
             raise InputError(f"kernel argument check failed: {exc}") from exc
-        if self.in_place:
+        if views is None:
             return out
-        views = self.views[micro_batch]
         v = views.get(n)
         if v is None:
             v = views[n] = self.pool.view(n, padded_heads=self.p, head_dim=self.head_dim,
@@ -114,17 +117,21 @@ class BoundOp:
                                           micro_batch=micro_batch, device=self.device)
         return v
 
+    def _check_micro_batch(self, micro_batch) -> None:
+        if not isinstance(micro_batch, int) or not 0 <= micro_batch < max(1, len(self.buffers)):
+            raise InputError(f"micro_batch={micro_batch!r} but {len(self.buffers)} micro-batch buffers are bound")
+
     def _full_check(self, q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch):
-        if not 0 <= micro_batch < max(1, len(self.buffers)):
-            raise InputError(f"micro_batch={micro_batch} but {len(self.buffers)} micro-batch buffers are bound")
-        if q_in.dim() != 3 or q_in.shape[1] != self.h:
-            raise InputError(f"q_in must be [N, {self.h}, {self.head_dim}] for this bound op, got {tuple(q_in.shape)}")
+        self._check_micro_batch(micro_batch)
+        if not isinstance(q_in, torch.Tensor) or q_in.dim() != 3 or q_in.shape[1] != self.h:
+            raise InputError(f"q_in must be [N, {self.h}, {self.head_dim}] for this bound op, got {tuple(getattr(q_in, 'shape', ()))}")
         n = q_in.shape[0]
         if self.in_place:
             q_out = q_in
         else:
             if n > self.capacity:
-                raise ScratchError(f"{n} tokens exceed the {self.capacity} reserved in the scratch pool")
+                raise ScratchError(f"{n} tokens exceed the {self.capacity} reserved in the scratch pool (locked: "
+                                   f"{self.pool.locked}); reserve max_num_batched_tokens at profile time")
             q_out = self.buffers[micro_batch][: max(n, 1)]
             if self.q_scale is not None:
                 q_out = q_out.view(torch.float8_e4m3fn)

@@ -256,17 +256,18 @@ def check_kv(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, ca
 
 
 # ---- one-call entry points ------------------------------------------------------------------------
-# The hot path: a handful of integer comparisons that TVM-FFI cannot do (cross-tensor sizes), a dict
-# hit for the bound kernel, one call. TVM-FFI itself checks dtypes, ranks, D, strides, 16-byte
-# alignment and devices before launching; when it (or the cheap checks) refuse a call, the full
-# Python validation runs to raise a typed InputError that names the problem.
+# The hot path: the checks TVM-FFI cannot do (M <= N, N' >= N, P >= H, the cache block size, a uint8
+# cache: it lets an int8 one through), a dict hit for the bound kernel, one call. TVM-FFI itself
+# checks dtypes, ranks, D, strides, 16-byte alignment, devices and that q_in, kv and positions have
+# the same row count (one symbolic token count in the compiled signature) before launching; when it
+# (or the cheap checks) refuse a call, the full Python validation raises a typed InputError naming it.
 _bound: dict[tuple, Kernel] = {}
 MAX_BUCKET_LOG2 = 15  # token-count buckets 1, 2, 4, ... 32768 (larger counts use the last)
 _tuning_table: Optional[dict] = None
 
 
 def tuning_table() -> dict:
-    """(variant, bucket) -> LaunchConfig from the tuning database for this GPU (empty without one)."""
+    """(variant, bucket) -> {heads: LaunchConfig} from the tuning database for this GPU (empty without one)."""
     global _tuning_table
     if _tuning_table is None:
         from . import tuning
@@ -283,10 +284,12 @@ def tuning_table() -> dict:
 
 
 def kernel_for(device: torch.device, *, op: str, q_out: str, head_dim: int, rope_dim: int, cache_format: str, io: str,
-               config: Optional[LaunchConfig] = None, conversions: Optional[str] = None, n_tokens: int = 1) -> Kernel:
+               config: Optional[LaunchConfig] = None, conversions: Optional[str] = None, n_tokens: int = 1,
+               heads: Optional[int] = None) -> Kernel:
     """The kernel for a request: the variant from the dispatcher, the config from (in order) the
-    caller, the tuning database entry of the token-count bucket, the arch's default."""
-    from .tuning import bucket_of, heuristic_config
+    caller, the tuning database entry of the token-count bucket (tuned at `heads` Q heads or the
+    nearest count), the arch's default."""
+    from .tuning import bucket_of, heuristic_config, pick
 
     arch, target = device_target(device)
     name = dispatch.select_variant(arch=arch, op=op, head_dim=head_dim, rope_dim=rope_dim, cache_format=cache_format,
@@ -294,7 +297,7 @@ def kernel_for(device: torch.device, *, op: str, q_out: str, head_dim: int, rope
     name = selftest.resolve(device, name, dispatch.default_config(arch), target)  # first use on this machine
     if config is None:
         bucket = min(bucket_of(n_tokens), 1 << MAX_BUCKET_LOG2)
-        config = tuning_table().get((name, bucket)) or heuristic_config(arch, bucket, dispatch.default_config(arch))
+        config = pick(tuning_table().get((name, bucket)), heads) or heuristic_config(arch, bucket, dispatch.default_config(arch))
     key = (device, name, config)
     k = _bound.get(key)
     if k is None:
@@ -313,7 +316,7 @@ _fast_qkv: dict[tuple, tuple] = {}
 
 def _bind_qkv(q_in, cos_sin_cache, cache_format, fp8_out, config, conversions):
     device = q_in.device
-    fns = kernels_by_bucket(device, op="qkv", q_out="fp8" if fp8_out else "io", head_dim=q_in.shape[2],
+    fns = kernels_by_bucket(device, heads=q_in.shape[1], op="qkv", q_out="fp8" if fp8_out else "io", head_dim=q_in.shape[2],
                             rope_dim=cos_sin_cache.shape[1], cache_format=cache_format, io=IO_DTYPES[q_in.dtype],
                             config=config, conversions=conversions)
     fmt = get_format(cache_format)
@@ -328,12 +331,12 @@ def qnorm_rope_kv_insert(
     try:
         n, h, d = q_in.shape
         p = q_out.shape[1]
-        key = (q_in.get_device(), q_in.dtype, cache_format, d, cos_sin_cache.shape[1], q_scale is not None, config, conversions)
+        key = (q_in.get_device(), q_in.dtype, cache_format, d, h, cos_sin_cache.shape[1], q_scale is not None, config, conversions)
         fns, errors, bpt, needs_scale = _fast_qkv[key]
         ok = (
-            kv.shape[0] == n and positions.shape[0] == n and slot_mapping.shape[0] <= n and q_out.shape[0] >= n
-            and p >= h and block_size > 0 and k_cache.shape[1] >= block_size * bpt and eps >= 0
-            and k_cache.dtype is torch.uint8
+            slot_mapping.shape[0] <= n and q_out.shape[0] >= n and p >= h and block_size > 0
+            and k_cache.shape[1] >= block_size * bpt and eps >= 0
+            and k_cache.dtype is torch.uint8  # the compiled function accepts an int8 cache (same width)
             and (kv_scale is not None) == needs_scale and (p == h or q_out.data_ptr() != q_in.data_ptr())
         )
     except (KeyError, AttributeError, TypeError, ValueError, IndexError):

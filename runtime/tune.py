@@ -19,13 +19,16 @@ from typing import Callable, Optional
 from . import bench, dispatch
 from .launch import LaunchConfig
 
-# The default sweep: the knobs that won somewhere on the H200. Persistent grids and KV spread never
-# did (--space full has them); register caps (min_ctas_per_sm) only pay for 4- and 8-warp CTAs of
-# one pass, at 48 resident warps.
+# The default sweep: the knobs that won somewhere on the H200. Persistent grids never did (--space
+# full has them); register caps (min_ctas_per_sm) only pay for 4- and 8-warp CTAs of one pass, at 48
+# resident warps; KV spread only with them, when Q has few heads (results/README.md, ab7).
 DEFAULT_SPACE = [
     LaunchConfig(w, u, pdl, nc, streaming=cs)
     for w in (2, 4, 8, 16) for u in (1, 2) for pdl in (True, False) for nc in (True, False) for cs in (True, False)
-] + [LaunchConfig(w, 1, pdl, nc, streaming=True, min_ctas_per_sm=48 // w) for w in (4, 8) for pdl in (True, False) for nc in (True, False)]
+] + [
+    LaunchConfig(w, 1, pdl, nc, streaming=True, min_ctas_per_sm=48 // w, spread_kv=spread)
+    for spread in (False, True) for w in (4, 8) for pdl in (True, False) for nc in (True, False)
+]
 
 
 def prune(configs: list[LaunchConfig]) -> list[LaunchConfig]:

@@ -1,8 +1,10 @@
 """Tuning database and the per-arch heuristic the dispatcher falls back to.
 
 A database is JSON: {"format": 1, "entries": [...]}; each entry is keyed by the GPU (name, SM
-count, compute capability, driver), the package and DSL versions, the variant and a token-count
-bucket (powers of two), and holds the best launch-config key with its timing. Loading checks the
+count, compute capability, driver), the package and DSL versions, the variant, a token-count
+bucket (powers of two) and the Q head count it was tuned at (H, and P), and holds the best
+launch-config key with its timing. A call uses the entry tuned at its H, else at the nearest H
+(the KV rows' share of the work, 1 / (H + 1), changes which config wins). Loading checks the
 metadata against the running environment: a mismatch is reported and ignored unless forced; a
 corrupt file is reported and ignored. Runs merge into one file.
 """
@@ -22,6 +24,7 @@ from .launch import LaunchConfig
 ENV_DB = "ATTN_PROLOGUE_TUNING_DB"
 DB_FORMAT = 1
 MATCH_FIELDS = ("gpu", "sms", "capability", "package", "dsl")
+DEFAULT_HEADS = 64  # entries that do not say
 
 
 class TuningDatabaseWarning(UserWarning):
@@ -114,7 +117,8 @@ class TuningDatabase:
     def merge(self, new_entries: list[dict]) -> None:
         """New entries replace old ones with the same environment, variant and bucket."""
         def ident(e):
-            return tuple(e.get(f) for f in MATCH_FIELDS) + (e["variant"], e["bucket"])
+            return tuple(e.get(f) for f in MATCH_FIELDS) + (e["variant"], e["bucket"], e.get("heads", DEFAULT_HEADS),
+                                                             e.get("padded_heads", e.get("heads", DEFAULT_HEADS)))
 
         index = {ident(e): i for i, e in enumerate(self.entries)}
         for e in new_entries:
@@ -126,9 +130,9 @@ class TuningDatabase:
                 self.entries[i] = e
 
     # ---- lookup ---------------------------------------------------------------------------------
-    def table_for(self, env: Environment, *, force: bool = False) -> dict[tuple[str, int], LaunchConfig]:
-        """(variant, bucket) -> config for this environment. Entries for another GPU, SM count,
-        capability, package or DSL version are reported once and ignored unless force=True."""
+    def table_for(self, env: Environment, *, force: bool = False) -> dict[tuple[str, int], dict[int, LaunchConfig]]:
+        """(variant, bucket) -> {heads: config} for this environment. Entries for another GPU, SM
+        count, capability, package or DSL version are reported once and ignored unless force=True."""
         table, mismatched = {}, set()
         want = env.as_dict()
         for e in self.entries:
@@ -136,7 +140,7 @@ class TuningDatabase:
             if diff and not force:
                 mismatched.add((e.get("gpu"), tuple(diff)))
                 continue
-            table[(e["variant"], int(e["bucket"]))] = LaunchConfig.from_key(e["config"])
+            table.setdefault((e["variant"], int(e["bucket"])), {})[int(e.get("heads", DEFAULT_HEADS))] = LaunchConfig.from_key(e["config"])
         if mismatched and not table:
             warnings.warn(
                 f"tuning database {self.path}: no entry matches this environment ({want['gpu']}, "
@@ -145,6 +149,16 @@ class TuningDatabase:
                 TuningDatabaseWarning,
             )
         return table
+
+
+def pick(by_heads: Optional[dict[int, LaunchConfig]], heads: Optional[int]) -> Optional[LaunchConfig]:
+    """The config tuned at `heads` Q heads, else at the nearest count (ratio; a tie takes the
+    larger); any entry when heads is None (ops without Q). None without entries."""
+    if not by_heads:
+        return None
+    if heads is None:
+        return by_heads[max(by_heads)]
+    return by_heads[min(by_heads, key=lambda h: (max(h, heads) / min(h, heads), -h))]
 
 
 def shipped_database_path() -> Path:

@@ -154,6 +154,7 @@ def expected_store_bits(v: Variant) -> set[int]:
         bits.add(32)
     if v.op.has_q:
         bits.add(64 if v.q_out is QOut.FP8 else 128)  # 8 e4m3 or 8 x 16-bit values of q_out
+        bits.add(128)  # pad heads are zeroed 16 bytes at a time
     return bits
 
 
@@ -179,10 +180,11 @@ def test_global_accesses_are_128_bit(built, v, key):
     assert _widths(meta, "ld") == scalars | (set() if cfg.non_coherent else {128})
     n_128 = sum(n for k, n in facts["global_access_bits"].items() if k.startswith("ld") and k.endswith(".128"))
     assert n_128 >= expected_min_128bit_loads(v)
-    # stores: 128-bit q_out rows (streaming when configured), 8-value cache vectors, scale bytes / words
+    # stores: q_out rows and 128-bit pad zeros (streaming when configured), 8-value cache vectors, scale bytes / words
     stores = _widths(meta, "st") | _widths(meta, "st.cs")
     assert stores == expected_store_bits(v)
-    assert _widths(meta, "st.cs") == ({64 if v.q_out is QOut.FP8 else 128} if cfg.streaming and v.op.has_q else set())
+    streamed = ({64, 128} if v.q_out is QOut.FP8 else {128}) if cfg.streaming and v.op.has_q else set()
+    assert _widths(meta, "st.cs") == streamed
     assert facts["max_store_bits"] == max(expected_store_bits(v))
     if v.op.has_q and v.q_out is QOut.IO:
         assert facts["max_store_bits"] == 128

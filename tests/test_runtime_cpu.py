@@ -140,8 +140,24 @@ def test_database_round_trip_merge_and_lookup(tmp_path):
     again.merge([entry(64, "w16_u1_pdl1_nc0"), entry(2048, "w4_u1_pdl1_nc1")])
     assert len(again.entries) == 3
     table = again.table_for(ENV)
-    assert table[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == LaunchConfig.from_key("w16_u1_pdl1_nc0")
+    assert table[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == {64: LaunchConfig.from_key("w16_u1_pdl1_nc0")}
     assert json.loads(path.read_text())["format"] == tuning.DB_FORMAT
+    # an entry tuned at another head count is kept beside it, not merged over it
+    again.merge([entry(64, "w4_u1_pdl1_nc1", heads=16, padded_heads=16)])
+    assert again.table_for(ENV)[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == {
+        64: LaunchConfig.from_key("w16_u1_pdl1_nc0"), 16: LaunchConfig.from_key("w4_u1_pdl1_nc1")}
+
+
+def test_lookup_takes_the_nearest_tuned_head_count():
+    a, b, c = (LaunchConfig.from_key(k) for k in ("w4_u1_pdl1_nc1", "w8_u1_pdl1_nc1", "w2_u1_pdl1_nc1"))
+    by_heads = {16: a, 64: b, 128: c}
+    assert [tuning.pick(by_heads, h) for h in (16, 64, 128)] == [a, b, c]
+    assert tuning.pick(by_heads, 8) == a  # ratio 2 to 16
+    assert tuning.pick(by_heads, 32) == b  # ratio 2 to both 16 and 64: the larger
+    assert tuning.pick(by_heads, 40) == b and tuning.pick(by_heads, 24) == a
+    assert tuning.pick(by_heads, 4096) == c
+    assert tuning.pick(by_heads, None) == c  # no Q heads (KV ops): the largest
+    assert tuning.pick({}, 16) is None and tuning.pick(None, 16) is None
 
 
 def test_mismatched_environment_is_reported_and_ignored_unless_forced(tmp_path):
@@ -163,7 +179,7 @@ def test_corrupt_database_is_reported_and_ignored(tmp_path, text):
 def test_dispatcher_prefers_the_database_over_the_heuristic(monkeypatch):
     """kernel_for picks the DB entry of the token-count bucket, else the arch default."""
     name = "qkv_d512r64_fp8_ds_mla_bf16_sm90"
-    fake_db = {(name, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0")}
+    fake_db = {(name, 64): {64: LaunchConfig.from_key("w16_u1_pdl1_nc0"), 16: LaunchConfig.from_key("w2_u2_pdl0_nc0")}}
     monkeypatch.setattr(ops, "tuning_table", lambda: fake_db)
     monkeypatch.setattr(ops, "device_target", lambda device: ("sm90", "sm_90a"))
     monkeypatch.setattr(ops.selftest, "resolve", lambda device, n, cfg, target: n)
@@ -177,9 +193,11 @@ def test_dispatcher_prefers_the_database_over_the_heuristic(monkeypatch):
     monkeypatch.setattr(ops, "Kernel", FakeKernel)
     monkeypatch.setattr(ops, "_bound", {})
     req = dict(op="qkv", q_out="io", head_dim=512, rope_dim=64, cache_format="fp8_ds_mla", io="bf16")
-    ops.kernel_for(torch.device("cpu"), n_tokens=50, **req)
-    ops.kernel_for(torch.device("cpu"), n_tokens=3000, **req)
-    assert seen == [(name, "w16_u1_pdl1_nc0", "sm_90a"), (name, registry.DEFAULT_CONFIGS["sm90"], "sm_90a")]
+    ops.kernel_for(torch.device("cpu"), n_tokens=50, heads=64, **req)
+    ops.kernel_for(torch.device("cpu"), n_tokens=3000, heads=64, **req)
+    ops.kernel_for(torch.device("cpu"), n_tokens=64, heads=8, **req)  # nearest tuned head count: 16
+    assert seen == [(name, "w16_u1_pdl1_nc0", "sm_90a"), (name, registry.DEFAULT_CONFIGS["sm90"], "sm_90a"),
+                    (name, "w2_u2_pdl0_nc0", "sm_90a")]
 
 
 def test_shipped_database_loads_and_names_valid_configs():
@@ -197,7 +215,7 @@ def test_prune_drops_duplicates_and_invalid_configs_keeping_order():
     a, b = LaunchConfig(4, 1, True, True), LaunchConfig(8, 1, True, True)
     big = LaunchConfig(32, 1, True, True)  # 1024 threads: still valid
     assert tune.prune([a, b, a, big, b]) == [a, b, big]
-    assert len(tune.prune(tune.DEFAULT_SPACE)) == len(tune.DEFAULT_SPACE) == 72  # 64 + 8 register-capped
+    assert len(tune.prune(tune.DEFAULT_SPACE)) == len(tune.DEFAULT_SPACE) == 80  # 64 + 8 register-capped + 8 of them spread
 
 
 def test_tune_shapes_follow_the_variant():
@@ -234,7 +252,8 @@ def test_target_checker_on_a_synthetic_bench_file():
         result(8, 32, 32, 2.4, 2.0),  # 2.4 us <= 2.5: met
         result(64, 64, 64, 4.1, 4.0),  # 4.1 us > 4.0: missed
         result(2048, 8, 64, 40.0, 39.0), result(2048, 8, 64, 10.0, 9.0, zero_once=True),  # 4x: met
-    ], "meta": {"host_overhead": {"bound_op_us": 7.9, "median_us": 8.1}}}
+    ], "meta": {"host_overhead": {"bound_op_us": 7.9, "median_us": 8.1},
+                 "host_overhead_end": {"bound_op_us": 8.5, "median_us": 6.0}}}
     rows = bench.check_targets(data)
     got = {(r["target"].split(":")[0], r["shape"]): r["met"] for r in rows}
     assert got == {
@@ -247,4 +266,6 @@ def test_target_checker_on_a_synthetic_bench_file():
         ("(8,64) zero-once vs write-pads", "T=2048"): True,
         ("eager host overhead, T=1", "bound op"): True,
         ("eager host overhead, T=1", "one-call function"): False,
+        ("eager host overhead, T=1", "bound op, after the shapes"): False,
+        ("eager host overhead, T=1", "one-call function, after the shapes"): True,
     }

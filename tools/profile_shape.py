@@ -5,7 +5,8 @@ replay, cold L2) and, under Nsight Compute, the kernels' counters.
   ncu --clock-control none --profile-from-start off --metrics ... python tools/profile_shape.py ... --ncu
 
 Ablations (same inputs, same run): the op; the op with every slot -1 (KV rows loaded, nothing
-written to the cache); the KV-only op (kv_rope_insert) on the same rows; the copy of the op's bytes.
+written to the cache); the KV-only op (kv_rope_insert) on the same rows; the copy of the op's bytes;
+with P > H and pads written, torch's zero fill of the pad heads alone (write-only bandwidth).
 With --ncu, each is launched once between cudaProfilerStart/Stop instead of timed.
 """
 
@@ -23,6 +24,7 @@ def main() -> None:
     ap.add_argument("--p", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=512)
     ap.add_argument("--format", default="fp8_ds_mla")
+    ap.add_argument("--zero-once", action="store_true", help="pad heads are not written (default: written as zeros)")
     ap.add_argument("--config", action="append", help="launch config key(s); default: the dispatcher's choice")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--ncu", action="store_true", help="launch each case once inside cudaProfilerStart/Stop")
@@ -35,7 +37,7 @@ def main() -> None:
     from attn_prologue import bench
     from attn_prologue.launch import LaunchConfig
 
-    shape = bench.Shape(n=a.n, h=a.h, p=a.p, head_dim=a.head_dim, cache_format=a.format)
+    shape = bench.Shape(n=a.n, h=a.h, p=a.p, head_dim=a.head_dim, cache_format=a.format, zero_once=a.zero_once)
     kv_shape = bench.Shape(n=a.n, h=a.h, p=a.p, head_dim=a.head_dim, cache_format=a.format, op="kv")
     nsets = bench.sets_for_cold_l2(shape)
     sets = bench.input_sets(shape, nsets)
@@ -47,6 +49,10 @@ def main() -> None:
         cases[f"op[{tag}]"] = bench.op_fns(shape, sets, config=cfg)
         cases[f"op, slots -1[{tag}]"] = bench.op_fns(shape, skip, config=cfg)
         cases[f"kv only[{tag}]"] = bench.op_fns(kv_shape, sets, config=cfg)
+    if a.p > a.h and not a.zero_once:  # the pad heads alone: torch's fill of q_out[:, H:] and of as many contiguous bytes
+        cases["pads only: q_out[:, H:].zero_()"] = [lambda s=s: s["q_out"][:, a.h:].zero_() for s in sets]
+        flat = [s["q_out"].view(-1)[: a.n * (a.p - a.h) * a.head_dim] for s in sets]
+        cases["pads only: contiguous zero_()"] = [lambda f=f: f.zero_() for f in flat]
     copy = bench.copy_fns(shape.min_bytes(), nsets, "sm")
     memcpy = bench.copy_fns(shape.min_bytes(), nsets, "memcpy")
     copy_kv = bench.copy_fns(kv_shape.min_bytes(), nsets, "sm")
@@ -67,6 +73,8 @@ def main() -> None:
         out["us"][name] = bench.graph_time_us(fns, replays=a.replays, calls_per_graph=calls)["median_us"]
     for name, us in out["us"].items():
         nbytes = kv_shape.min_bytes() if "kv" in name else shape.min_bytes()
+        if name.startswith("pads only"):
+            nbytes = a.n * (a.p - a.h) * a.head_dim * 2
         print(f"{name:40} {us:9.2f} us  {nbytes / us / 1e3:8.1f} GB/s")
     if a.json:
         with open(a.json, "w") as f:

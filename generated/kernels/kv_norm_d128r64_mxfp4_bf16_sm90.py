@@ -84,7 +84,8 @@ DEFAULT_CONFIG = {'warps_per_cta': 4, 'passes_per_warp': 1, 'pdl': True, 'non_co
 
 class Kernel:
     """`Kernel(config)(*ARGUMENTS, stream)` launches config.passes_per_warp passes per warp over the
-    run-time token count. A pass is ROWS_PER_PASS rows: rows of KV, then (token, head) rows of Q."""
+    run-time token count. A pass is ROWS_PER_PASS rows of KV, or of live (token, head) rows of Q, or
+    (last) a run of zero vectors in one token's pad heads [H, n_write_heads)."""
 
     def __init__(self, config):
         self.cfg = config
@@ -110,6 +111,8 @@ class Kernel:
         kv_passes = (slot_mapping.shape[0] + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
         kv_group = per_warp * warps if const_expr(self.cfg.spread_kv) else per_warp  # a warp (spread: a CTA) never mixes KV and Q
         kv_passes = (kv_passes + (kv_group - 1)) // kv_group * kv_group
+        q_end = kv_passes
+        pad_chunks = 0
         passes = kv_passes
         units = (passes + (per_warp - 1)) // per_warp  # a unit: the passes_per_warp passes of one warp
         grid = (units + (warps - 1)) // warps
@@ -128,8 +131,11 @@ class Kernel:
             block_size,
             checked,
             max_ctas,
+            0,
             kv_passes,
+            q_end,
             passes,
+            pad_chunks,
             units,
             spacing,
         ).launch(
@@ -156,8 +162,11 @@ class Kernel:
         block_size: Int32,
         checked: Int32,
         max_ctas: Int32,
+        q_heads: Int32,
         kv_passes: Int32,
+        q_end: Int32,
         passes: Int32,
+        pad_chunks: Int32,
         units: Int32,
         spacing: Int32,
     ):
@@ -170,9 +179,9 @@ class Kernel:
         if const_expr(self.cfg.persistent):
             stride = cute.arch.grid_dim()[0] * self.cfg.warps_per_cta
             for w in cutlass.range(unit, units, stride):
-                self.one_pass(self.first_pass(w, kv_passes, spacing), lane, kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, checked, max_ctas, kv_passes, passes)
+                self.one_pass(self.first_pass(w, kv_passes, spacing), lane, kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, checked, max_ctas, q_heads, kv_passes, q_end, passes, pad_chunks)
         else:
-            self.one_pass(self.first_pass(unit, kv_passes, spacing), lane, kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, checked, max_ctas, kv_passes, passes)
+            self.one_pass(self.first_pass(unit, kv_passes, spacing), lane, kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, checked, max_ctas, q_heads, kv_passes, q_end, passes, pad_chunks)
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -209,11 +218,14 @@ class Kernel:
         block_size: Int32,
         checked: Int32,
         max_ctas: Int32,
+        q_heads: Int32,
         kv_passes: Int32,
+        q_end: Int32,
         passes: Int32,
+        pad_chunks: Int32,
     ):
         """The passes p .. p + passes_per_warp - 1 of one warp: KV rows first (their warps are the
-        slower ones: start them early, so the grid's tail is uniform Q work), then Q rows."""
+        slower ones: start them early, so the grid's tail is uniform Q work), then Q rows, then pads."""
         if p < kv_passes:
             self.kv_pass(
                 p,
@@ -308,7 +320,9 @@ class Kernel:
                 ys[s].store(((xs[s] * rinv) * weights[s].load().to(Float32)).to(IO_DTYPE).to(Float32))
             self.rotate_tail(ys, tables, ok, sub)
             xr = [ys[s].load().to(IO_DTYPE).to(Float32) for s in range(SLOTS)]  # round through the I/O dtype
-            block = slot // Int64(block_size)
+            block = Int64(Int32(slot) // block_size)  # 32-bit division: slots of a GPU's cache fit in 31 bits
+            if slot > Int64(0x7FFFFFFF):
+                block = slot // Int64(block_size)
             page = kl.base_address(k_cache) + block * k_cache.stride[0]
             o = slot - block * Int64(block_size)
             data = page + o * DATA_BYTES

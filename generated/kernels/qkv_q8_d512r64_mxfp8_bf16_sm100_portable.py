@@ -32,6 +32,8 @@ LANES_PER_ROW = 32  # lanes sharing one row; vector j -> lane j % LANES_PER_ROW
 ROWS_PER_PASS = 1  # rows one warp handles at once
 SLOTS = 2  # 128-bit vectors per lane per row
 TAIL_VECTOR = 56  # first vector of the rotated dims [D - R, D)
+ROW_VECTORS = HEAD_DIM * 1 // 16  # 128-bit vectors in one q_out head row
+PAD_VECTORS_PER_LANE = 8  # a pad pass zeroes 32 * this many vectors of one token's pad heads
 
 # ---- cache format mxfp8 (attn_prologue.formats) ------------------------------------
 DATA_BYTES = 512  # data record per token
@@ -61,7 +63,8 @@ DEFAULT_CONFIG = {'warps_per_cta': 4, 'passes_per_warp': 1, 'pdl': True, 'non_co
 
 class Kernel:
     """`Kernel(config)(*ARGUMENTS, stream)` launches config.passes_per_warp passes per warp over the
-    run-time token count. A pass is ROWS_PER_PASS rows: rows of KV, then (token, head) rows of Q."""
+    run-time token count. A pass is ROWS_PER_PASS rows of KV, or of live (token, head) rows of Q, or
+    (last) a run of zero vectors in one token's pad heads [H, n_write_heads)."""
 
     def __init__(self, config):
         self.cfg = config
@@ -90,8 +93,11 @@ class Kernel:
         kv_passes = (slot_mapping.shape[0] + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
         kv_group = per_warp * warps if const_expr(self.cfg.spread_kv) else per_warp  # a warp (spread: a CTA) never mixes KV and Q
         kv_passes = (kv_passes + (kv_group - 1)) // kv_group * kv_group
-        q_passes = (q_in.shape[0] * n_write_heads + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
-        passes = kv_passes + q_passes
+        q_passes = (q_in.shape[0] * q_in.shape[1] + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
+        q_end = kv_passes + (q_passes + (per_warp - 1)) // per_warp * per_warp  # a warp never mixes Q and pad passes
+        pad_vectors = cutlass.max(n_write_heads - q_in.shape[1], 0) * ROW_VECTORS  # per token
+        pad_chunks = (pad_vectors + (32 * PAD_VECTORS_PER_LANE - 1)) // (32 * PAD_VECTORS_PER_LANE)  # pad passes per token
+        passes = q_end + q_in.shape[0] * pad_chunks
         units = (passes + (per_warp - 1)) // per_warp  # a unit: the passes_per_warp passes of one warp
         grid = (units + (warps - 1)) // warps
         spacing = cutlass.max(grid // cutlass.max(kv_passes // kv_group, 1), 1)  # spread_kv: KV CTA k is CTA k * spacing
@@ -112,8 +118,11 @@ class Kernel:
             n_write_heads,
             checked,
             max_ctas,
+            q_in.shape[1],
             kv_passes,
+            q_end,
             passes,
+            pad_chunks,
             units,
             spacing,
         ).launch(
@@ -143,8 +152,11 @@ class Kernel:
         n_write_heads: Int32,
         checked: Int32,
         max_ctas: Int32,
+        q_heads: Int32,
         kv_passes: Int32,
+        q_end: Int32,
         passes: Int32,
+        pad_chunks: Int32,
         units: Int32,
         spacing: Int32,
     ):
@@ -157,9 +169,9 @@ class Kernel:
         if const_expr(self.cfg.persistent):
             stride = cute.arch.grid_dim()[0] * self.cfg.warps_per_cta
             for w in cutlass.range(unit, units, stride):
-                self.one_pass(self.first_pass(w, kv_passes, spacing), lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, n_write_heads, checked, max_ctas, kv_passes, passes)
+                self.one_pass(self.first_pass(w, kv_passes, spacing), lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, n_write_heads, checked, max_ctas, q_heads, kv_passes, q_end, passes, pad_chunks)
         else:
-            self.one_pass(self.first_pass(unit, kv_passes, spacing), lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, n_write_heads, checked, max_ctas, kv_passes, passes)
+            self.one_pass(self.first_pass(unit, kv_passes, spacing), lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, n_write_heads, checked, max_ctas, q_heads, kv_passes, q_end, passes, pad_chunks)
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -199,11 +211,14 @@ class Kernel:
         n_write_heads: Int32,
         checked: Int32,
         max_ctas: Int32,
+        q_heads: Int32,
         kv_passes: Int32,
+        q_end: Int32,
         passes: Int32,
+        pad_chunks: Int32,
     ):
         """The passes p .. p + passes_per_warp - 1 of one warp: KV rows first (their warps are the
-        slower ones: start them early, so the grid's tail is uniform Q work), then Q rows."""
+        slower ones: start them early, so the grid's tail is uniform Q work), then Q rows, then pads."""
         if p < kv_passes:
             self.kv_pass(
                 p,
@@ -217,8 +232,10 @@ class Kernel:
                 block_size,
                 checked,
             )
+        elif p < q_end:
+            self.q_pass(p - kv_passes, lane, q_in, q_out, positions, cos_sin_cache, errors, eps, q_heads, checked, q_scale)
         elif p < passes:
-            self.q_pass(p - kv_passes, lane, q_in, q_out, positions, cos_sin_cache, errors, eps, n_write_heads, checked, q_scale)
+            self.pad_pass(p - q_end, lane, q_in, q_out, q_heads, n_write_heads, pad_chunks)
 
     @cute.jit
     def load_tail_cos_sin(self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32):
@@ -255,20 +272,21 @@ class Kernel:
         cos_sin_cache: cute.Tensor,
         errors: cute.Tensor,
         eps: Float32,
-        n_write_heads: Int32,
+        q_heads: Int32,
         checked: Int32,
         q_scale: cute.Tensor,
     ):
-        """Rows are (token, head) pairs, head-minor; heads [H, n_write_heads) are written as zeros.
-        All rows' loads are issued first (position and row, then cos/sin), then each row is finished."""
+        """Rows are the (token, head) pairs of q_in (q_heads = H), head-minor. A row whose position is out of
+        range in checked mode is written as zeros. All rows' loads are issued first (position and
+        row, then cos/sin), then each row is finished."""
         sub = lane % LANES_PER_ROW
         rows = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             r = (p + u) * ROWS_PER_PASS + lane // LANES_PER_ROW
-            t = r // n_write_heads
-            h = r - t * n_write_heads
+            t = r // q_heads
+            h = r - t * q_heads
             valid = t < q_in.shape[0]
-            live = valid & (h < q_in.shape[1])
+            live = valid
             position = Int64(0)
             if valid:
                 position = Int64(positions[t])
@@ -300,6 +318,22 @@ class Kernel:
                     if not live:
                         out.fill(0)
                     kl.store_vector(out, dst, offset, cutlass.Float8E4M3FN, 8, self.cfg.streaming)
+
+    @cute.jit
+    def pad_pass(self, p: Int32, lane: Int32, q_in: cute.Tensor, q_out: cute.Tensor, q_heads: Int32, n_write_heads: Int32, pad_chunks: Int32):
+        """Zeroes of the pad heads: token t's heads [H, n_write_heads) are one contiguous run of
+        vectors; pass p covers 32 * PAD_VECTORS_PER_LANE of them (chunk p % pad_chunks of token
+        p // pad_chunks), one 128-bit store per lane and step, consecutive lanes adjacent."""
+        zero = kl.zero_vector(IO_DTYPE)
+        pad_vectors = Int64((n_write_heads - q_heads) * ROW_VECTORS)
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            t = (p + u) // pad_chunks
+            first = Int64((p + u) - t * pad_chunks) * (32 * PAD_VECTORS_PER_LANE) + Int64(lane)
+            if t < q_in.shape[0]:
+                run = kl.base_address(q_out) + (Int64(t) * q_out.stride[0] + Int64(q_heads) * HEAD_DIM) * 1
+                for i in range_constexpr(PAD_VECTORS_PER_LANE):
+                    if first + i * 32 < pad_vectors:
+                        kl.store_vector(zero, run, (first + i * 32) * 16, IO_DTYPE, 16, self.cfg.streaming)
 
     @cute.jit
     def kv_pass(
@@ -347,7 +381,9 @@ class Kernel:
                 ys[s].store(frags[s].load().to(Float32))
             self.rotate_tail(ys, tables, ok, sub)
             xr = [ys[s].load().to(IO_DTYPE).to(Float32) for s in range(SLOTS)]  # round through the I/O dtype
-            block = slot // Int64(block_size)
+            block = Int64(Int32(slot) // block_size)  # 32-bit division: slots of a GPU's cache fit in 31 bits
+            if slot > Int64(0x7FFFFFFF):
+                block = slot // Int64(block_size)
             page = kl.base_address(k_cache) + block * k_cache.stride[0]
             o = slot - block * Int64(block_size)
             data = page + o * DATA_BYTES
@@ -369,13 +405,14 @@ class Kernel:
 def fake_arguments():
     """Symbolic stand-ins for ARGUMENTS (+ stream): what `cute.compile` specializes on.
     Token counts, head counts, strides and pointers are run-time values; D, R and dtypes are not."""
+    tokens = cute.sym_int32()
     return (
-        make_fake_tensor(IO_DTYPE, (cute.sym_int32(), cute.sym_int32(), HEAD_DIM), (cute.sym_int64(divisibility=8), HEAD_DIM, 1), assumed_align=16),
-        make_fake_tensor(IO_DTYPE, (cute.sym_int32(), HEAD_DIM), (cute.sym_int64(divisibility=8), 1), assumed_align=16),
+        make_fake_tensor(IO_DTYPE, (tokens, cute.sym_int32(), HEAD_DIM), (cute.sym_int64(divisibility=8), HEAD_DIM, 1), assumed_align=16),
+        make_fake_tensor(IO_DTYPE, (tokens, HEAD_DIM), (cute.sym_int64(divisibility=8), 1), assumed_align=16),
         make_fake_tensor(Uint8, (cute.sym_int32(), cute.sym_int32(), HEAD_DIM), (cute.sym_int64(divisibility=8), HEAD_DIM, 1), assumed_align=16),
         make_fake_tensor(Uint8, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(divisibility=16), 1), assumed_align=16),
         make_fake_compact_tensor(Int64, (cute.sym_int32(),), assumed_align=8),
-        make_fake_compact_tensor(Int64, (cute.sym_int32(),), assumed_align=8),
+        make_fake_compact_tensor(Int64, (tokens,), assumed_align=8),
         make_fake_compact_tensor(Float32, (cute.sym_int32(), ROPE_DIM), stride_order=(1, 0), assumed_align=16),
         make_fake_compact_tensor(Float32, (1,), assumed_align=4),
         make_fake_compact_tensor(Int32, (2,), assumed_align=4),

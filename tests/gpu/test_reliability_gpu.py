@@ -12,7 +12,9 @@ import torch
 import attn_prologue as ap
 from attn_prologue import ops, reference, selftest
 
-from ..bad_inputs import CASES, CUDA_ONLY, snapshot, unchanged, valid
+from attn_prologue.errors import InputError, ScratchError
+
+from ..bad_inputs import BS, CASES, CUDA_ONLY, D, H, N, P, snapshot, unchanged, valid
 
 pytestmark = pytest.mark.gpu
 
@@ -33,6 +35,61 @@ def test_bad_input_on_gpu_raises_and_writes_nothing(name):
     before = snapshot(args)
     with pytest.raises(error):
         call(args)
+    torch.cuda.synchronize()
+    assert unchanged(before, args) == []
+
+
+BOUND_ARGS = ("q_in", "kv", "k_cache", "slot_mapping", "positions", "cos_sin_cache")
+
+
+def _bound_cases() -> list[str]:
+    """The bad-input cases that only change what a bound op takes per call."""
+    names = []
+    for name, (edit, _) in sorted({**CASES, **CUDA_ONLY}.items()):
+        a = valid("cpu")
+        b = dict(a)
+        edit(b)
+        if all(k in BOUND_ARGS for k in b if b[k] is not a[k]):
+            names.append(name)
+    return names
+
+
+@pytest.mark.parametrize("name", _bound_cases())
+def test_bad_input_to_bound_op_raises_and_writes_nothing(name):
+    """The bound op's per-call path checks little itself (the compiled function checks the rest):
+    with the cache of its last call, every bad argument still raises before anything is written."""
+    edit, error = {**CASES, **CUDA_ONLY}[name]
+    pool = ap.ScratchPool()
+    pool.reserve(max_tokens=N, padded_heads=P, head_dim=D, micro_batches=1)
+    pool.lock()
+    op = ap.bind(num_heads=H, padded_heads=P, head_dim=D, block_size=BS, pool=pool)
+    args = valid("cuda")
+    call_args = [args[k] for k in BOUND_ARGS]
+    op(*call_args)
+    edit(args)
+    buffer = pool.buffer(padded_heads=P, head_dim=D)
+    buffer.fill_(float("nan"))
+    before = dict(snapshot(args), q_scratch=buffer.clone())
+    with pytest.raises(error):
+        op(*[args[k] for k in BOUND_ARGS])
+    torch.cuda.synchronize()
+    assert unchanged(before, dict(args, q_scratch=buffer)) == []
+
+
+def test_bound_op_refuses_too_many_tokens_and_unknown_micro_batch():
+    pool = ap.ScratchPool()
+    pool.reserve(max_tokens=N - 1, padded_heads=P, head_dim=D, micro_batches=1)
+    pool.lock()
+    op = ap.bind(num_heads=H, padded_heads=P, head_dim=D, block_size=BS, pool=pool)
+    args = valid("cuda")
+    small = {k: (v[: N - 1] if k in ("q_in", "kv", "slot_mapping", "positions") else v) for k, v in args.items()}
+    op(*[small[k] for k in BOUND_ARGS])  # fits; binds the cache
+    before = snapshot(args)
+    with pytest.raises(ScratchError):
+        op(*[args[k] for k in BOUND_ARGS])
+    for mb in (1, -1):
+        with pytest.raises(InputError):
+            op(*[small[k] for k in BOUND_ARGS], micro_batch=mb)
     torch.cuda.synchronize()
     assert unchanged(before, args) == []
 

@@ -1,0 +1,122 @@
+"""Where the host time of one eager T=1 call goes, on a GPU machine.
+
+  python tools/host_overhead.py [--json out.json]
+
+Timed back to back (the device work of a T=1 call is ~2 us, so the host is the bottleneck), each
+case twice in alternating order, median of 5 x 2000 calls:
+- the one-call function and the bound op (what `bench` reports as host overhead);
+- the compiled TVM-FFI function called directly with prebuilt arguments (the launch path alone);
+- the two Python paths with the kernel replaced by a no-op Python function (our code alone).
+With --after-bench, the same again after the `bench` target shapes ran in this process.
+`tools/launch_floor.cu` measures the CUDA launch itself without Python (build it with nvcc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def timed(call, calls: int = 2000) -> float:
+    import torch
+
+    for _ in range(200):
+        call()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--after-bench", action="store_true",
+                    help="measure again after timing the bench's target shapes with baselines (what `bench` does "
+                         "before its host measurement), then after gc.freeze()")
+    a = ap.parse_args()
+
+    import torch
+
+    from attn_prologue import api, bench, ops, scratch
+
+    shape = bench.Shape(n=1)
+    s = bench.input_sets(shape, 1)[0]
+    args = (s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], 1e-6,
+            shape.block_size, shape.cache_format)
+    ops.qnorm_rope_kv_insert(*args)
+    fns, errors, _, _ = ops._bind_qkv(s["q_in"], s["cos_sin_cache"], shape.cache_format, False, None, None)
+    fn, max_ctas = fns[0]
+    raw = (s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], errors,
+           1e-6, shape.block_size, shape.p, 0, max_ctas)
+    pool = scratch.ScratchPool()
+    pool.reserve(max_tokens=1, padded_heads=shape.p, head_dim=shape.head_dim, micro_batches=1)
+    pool.lock()
+    bound = api.bind(num_heads=shape.h, padded_heads=shape.p, head_dim=shape.head_dim, rope_dim=shape.rope_dim,
+                     cache_format=shape.cache_format, block_size=shape.block_size, pool=pool)
+    bargs = (s["q_in"], s["kv"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"])
+    bound(*bargs)
+
+    def noop(*_):
+        pass
+
+    stub = api.bind(num_heads=shape.h, padded_heads=shape.p, head_dim=shape.head_dim, rope_dim=shape.rope_dim,
+                    cache_format=shape.cache_format, block_size=shape.block_size, pool=pool)
+    stub._calls = [(noop, tail) for _, tail in stub._calls]
+    stub(*bargs)
+    key = next(k for k in ops._fast_qkv if k[2] == shape.cache_format and k[3] == shape.head_dim)
+
+    def one_call_stub():
+        saved = ops._fast_qkv[key]
+        ops._fast_qkv[key] = ([(noop, m) for _, m in saved[0]], *saved[1:])
+        try:
+            return timed(lambda: ops.qnorm_rope_kv_insert(*args))
+        finally:
+            ops._fast_qkv[key] = saved
+
+    cases = {
+        "one-call function": lambda: timed(lambda: ops.qnorm_rope_kv_insert(*args)),
+        "bound op": lambda: timed(lambda: bound(*bargs)),
+        "bare TVM-FFI call (13 arguments)": lambda: timed(lambda: fn(*raw)),
+        "one-call function, kernel call replaced by a no-op": one_call_stub,
+        "bound op, kernel call replaced by a no-op": lambda: timed(lambda: stub(*bargs)),
+        "no-op Python call (13 arguments)": lambda: timed(lambda: noop(*raw)),
+    }
+    def measure(label: str) -> dict:
+        runs = {name: [] for name in cases}
+        for order in (list(cases), list(reversed(cases))):
+            for name in order:
+                runs[name].append(cases[name]())
+        print(f"-- {label}")
+        for name, v in runs.items():
+            print(f"{name:55} {min(v):7.2f} us   (runs: {', '.join(f'{x:.2f}' for x in v)})")
+        return {"us": {name: round(min(v), 3) for name, v in runs.items()}, "runs": runs}
+
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **measure("fresh process")}
+    if a.after_bench:
+        import gc
+
+        t0 = time.perf_counter()
+        for sh in bench.default_shapes("targets"):
+            bench.run_shape(sh, replays=5)
+        out["bench_seconds"] = round(time.perf_counter() - t0, 1)
+        out["python_objects_after_bench"] = len(gc.get_objects())
+        out["after_bench"] = measure(f"after the target shapes with baselines ({out['bench_seconds']} s, "
+                                     f"{out['python_objects_after_bench']} Python objects)")
+        gc.collect()
+        gc.freeze()
+        out["after_bench_gc_frozen"] = measure("after gc.collect(); gc.freeze()")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
