@@ -285,10 +285,10 @@ def tuning_table() -> dict:
 
 def kernel_for(device: torch.device, *, op: str, q_out: str, head_dim: int, rope_dim: int, cache_format: str, io: str,
                config: Optional[LaunchConfig] = None, conversions: Optional[str] = None, n_tokens: int = 1,
-               heads: Optional[int] = None) -> Kernel:
+               heads: Optional[int] = None, written_heads: Optional[int] = None) -> Kernel:
     """The kernel for a request: the variant from the dispatcher, the config from (in order) the
-    caller, the tuning database entry of the token-count bucket (tuned at `heads` Q heads or the
-    nearest count), the arch's default."""
+    caller, the tuning database entry of the token-count bucket (tuned at these Q heads and heads
+    written, or the nearest), the arch's default."""
     from .tuning import bucket_of, heuristic_config, pick
 
     arch, target = device_target(device)
@@ -297,7 +297,7 @@ def kernel_for(device: torch.device, *, op: str, q_out: str, head_dim: int, rope
     name = selftest.resolve(device, name, dispatch.default_config(arch), target)  # first use on this machine
     if config is None:
         bucket = min(bucket_of(n_tokens), 1 << MAX_BUCKET_LOG2)
-        config = pick(tuning_table().get((name, bucket)), heads) or heuristic_config(arch, bucket, dispatch.default_config(arch))
+        config = pick(tuning_table().get((name, bucket)), heads, written_heads) or heuristic_config(arch, bucket, dispatch.default_config(arch))
     key = (device, name, config)
     k = _bound.get(key)
     if k is None:
@@ -314,9 +314,10 @@ def kernels_by_bucket(device, **request) -> list:
 _fast_qkv: dict[tuple, tuple] = {}
 
 
-def _bind_qkv(q_in, cos_sin_cache, cache_format, fp8_out, config, conversions):
+def _bind_qkv(q_in, cos_sin_cache, cache_format, fp8_out, config, conversions, written_heads=None):
     device = q_in.device
-    fns = kernels_by_bucket(device, heads=q_in.shape[1], op="qkv", q_out="fp8" if fp8_out else "io", head_dim=q_in.shape[2],
+    fns = kernels_by_bucket(device, heads=q_in.shape[1], written_heads=written_heads, op="qkv",
+                            q_out="fp8" if fp8_out else "io", head_dim=q_in.shape[2],
                             rope_dim=cos_sin_cache.shape[1], cache_format=cache_format, io=IO_DTYPES[q_in.dtype],
                             config=config, conversions=conversions)
     fmt = get_format(cache_format)
@@ -330,11 +331,12 @@ def qnorm_rope_kv_insert(
     """Validate, pick the variant for this device and launch it (CUDA tensors)."""
     try:
         n, h, d = q_in.shape
-        p = q_out.shape[1]
-        key = (q_in.get_device(), q_in.dtype, cache_format, d, h, cos_sin_cache.shape[1], q_scale is not None, config, conversions)
+        n_out, p = q_out.shape[:2]
+        nwh = p if write_pad_heads else h
+        key = (q_in.get_device(), q_in.dtype, cache_format, d, h, nwh, cos_sin_cache.shape[1], q_scale is not None, config, conversions)
         fns, errors, bpt, needs_scale = _fast_qkv[key]
         ok = (
-            slot_mapping.shape[0] <= n and q_out.shape[0] >= n and p >= h and block_size > 0
+            slot_mapping.shape[0] <= n and n_out >= n and p >= h and block_size > 0
             and k_cache.shape[1] >= block_size * bpt and eps >= 0
             and k_cache.dtype is torch.uint8  # the compiled function accepts an int8 cache (same width)
             and (kv_scale is not None) == needs_scale and (p == h or q_out.data_ptr() != q_in.data_ptr())
@@ -344,12 +346,14 @@ def qnorm_rope_kv_insert(
     if not ok:
         check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
                   q_scale=q_scale, kv_scale=kv_scale)
-        fns, errors, bpt, needs_scale = _fast_qkv.setdefault(key, _bind_qkv(q_in, cos_sin_cache, cache_format, q_scale is not None, config, conversions))
+        # valid input: the try block computed the key; only the kernels for it were missing
+        if key not in _fast_qkv:
+            _fast_qkv[key] = _bind_qkv(q_in, cos_sin_cache, cache_format, q_scale is not None, config, conversions, nwh)
+        fns, errors, bpt, needs_scale = _fast_qkv[key]
     if n == 0:
         return
     fn, max_ctas = fns[min((n - 1).bit_length(), MAX_BUCKET_LOG2)]
     out = q_out if q_scale is None else q_out.view(torch.uint8)
-    nwh = p if write_pad_heads else h
     try:
         if kv_scale is None:
             if q_scale is None:

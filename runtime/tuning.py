@@ -2,9 +2,10 @@
 
 A database is JSON: {"format": 1, "entries": [...]}; each entry is keyed by the GPU (name, SM
 count, compute capability, driver), the package and DSL versions, the variant, a token-count
-bucket (powers of two) and the Q head count it was tuned at (H, and P), and holds the best
-launch-config key with its timing. A call uses the entry tuned at its H, else at the nearest H
-(the KV rows' share of the work, 1 / (H + 1), changes which config wins). Loading checks the
+bucket (powers of two) and the Q head counts it was tuned at (H live heads, P heads written: the
+tuner writes the pad heads), and holds the best launch-config key with its timing. A call uses the
+entry tuned at its (H, heads written), else the nearest one: the KV rows' share of the work and
+the share of pad zeroing change which config wins. Loading checks the
 metadata against the running environment: a mismatch is reported and ignored unless forced; a
 corrupt file is reported and ignored. Runs merge into one file.
 """
@@ -12,6 +13,7 @@ corrupt file is reported and ignored. Runs merge into one file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -130,9 +132,10 @@ class TuningDatabase:
                 self.entries[i] = e
 
     # ---- lookup ---------------------------------------------------------------------------------
-    def table_for(self, env: Environment, *, force: bool = False) -> dict[tuple[str, int], dict[int, LaunchConfig]]:
-        """(variant, bucket) -> {heads: config} for this environment. Entries for another GPU, SM
-        count, capability, package or DSL version are reported once and ignored unless force=True."""
+    def table_for(self, env: Environment, *, force: bool = False) -> dict[tuple[str, int], dict[tuple[int, int], LaunchConfig]]:
+        """(variant, bucket) -> {(heads, heads written): config} for this environment. Entries for
+        another GPU, SM count, capability, package or DSL version are reported once and ignored
+        unless force=True."""
         table, mismatched = {}, set()
         want = env.as_dict()
         for e in self.entries:
@@ -140,7 +143,9 @@ class TuningDatabase:
             if diff and not force:
                 mismatched.add((e.get("gpu"), tuple(diff)))
                 continue
-            table.setdefault((e["variant"], int(e["bucket"])), {})[int(e.get("heads", DEFAULT_HEADS))] = LaunchConfig.from_key(e["config"])
+            heads = int(e.get("heads", DEFAULT_HEADS))
+            shape = (heads, int(e.get("padded_heads", heads)))
+            table.setdefault((e["variant"], int(e["bucket"])), {})[shape] = LaunchConfig.from_key(e["config"])
         if mismatched and not table:
             warnings.warn(
                 f"tuning database {self.path}: no entry matches this environment ({want['gpu']}, "
@@ -151,14 +156,21 @@ class TuningDatabase:
         return table
 
 
-def pick(by_heads: Optional[dict[int, LaunchConfig]], heads: Optional[int]) -> Optional[LaunchConfig]:
-    """The config tuned at `heads` Q heads, else at the nearest count (ratio; a tie takes the
-    larger); any entry when heads is None (ops without Q). None without entries."""
-    if not by_heads:
+def pick(tuned: Optional[dict[tuple[int, int], LaunchConfig]], heads: Optional[int],
+         written: Optional[int] = None) -> Optional[LaunchConfig]:
+    """The config tuned at (heads, written) Q heads, else the nearest tuned pair (sum of the log2
+    ratios; a tie takes the larger counts); the largest when heads is None (ops without Q). None
+    without entries. `written` defaults to heads (pads not written)."""
+    if not tuned:
         return None
     if heads is None:
-        return by_heads[max(by_heads)]
-    return by_heads[min(by_heads, key=lambda h: (max(h, heads) / min(h, heads), -h))]
+        return tuned[max(tuned)]
+    want = (heads, written or heads)
+
+    def distance(shape):
+        return sum(abs(math.log2(a / b)) for a, b in zip(shape, want))
+
+    return tuned[min(tuned, key=lambda shape: (distance(shape), -shape[1], -shape[0]))]
 
 
 def shipped_database_path() -> Path:

@@ -140,23 +140,25 @@ def test_database_round_trip_merge_and_lookup(tmp_path):
     again.merge([entry(64, "w16_u1_pdl1_nc0"), entry(2048, "w4_u1_pdl1_nc1")])
     assert len(again.entries) == 3
     table = again.table_for(ENV)
-    assert table[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == {64: LaunchConfig.from_key("w16_u1_pdl1_nc0")}
+    assert table[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == {(64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0")}
     assert json.loads(path.read_text())["format"] == tuning.DB_FORMAT
-    # an entry tuned at another head count is kept beside it, not merged over it
-    again.merge([entry(64, "w4_u1_pdl1_nc1", heads=16, padded_heads=16)])
+    # entries tuned at other head counts are kept beside it, not merged over it
+    again.merge([entry(64, "w4_u1_pdl1_nc1", heads=16, padded_heads=16), entry(64, "w2_u2_pdl0_nc0", heads=8, padded_heads=64)])
     assert again.table_for(ENV)[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == {
-        64: LaunchConfig.from_key("w16_u1_pdl1_nc0"), 16: LaunchConfig.from_key("w4_u1_pdl1_nc1")}
+        (64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0"), (16, 16): LaunchConfig.from_key("w4_u1_pdl1_nc1"),
+        (8, 64): LaunchConfig.from_key("w2_u2_pdl0_nc0")}
 
 
-def test_lookup_takes_the_nearest_tuned_head_count():
-    a, b, c = (LaunchConfig.from_key(k) for k in ("w4_u1_pdl1_nc1", "w8_u1_pdl1_nc1", "w2_u1_pdl1_nc1"))
-    by_heads = {16: a, 64: b, 128: c}
-    assert [tuning.pick(by_heads, h) for h in (16, 64, 128)] == [a, b, c]
-    assert tuning.pick(by_heads, 8) == a  # ratio 2 to 16
-    assert tuning.pick(by_heads, 32) == b  # ratio 2 to both 16 and 64: the larger
-    assert tuning.pick(by_heads, 40) == b and tuning.pick(by_heads, 24) == a
-    assert tuning.pick(by_heads, 4096) == c
-    assert tuning.pick(by_heads, None) == c  # no Q heads (KV ops): the largest
+def test_lookup_takes_the_nearest_tuned_head_counts():
+    a, b, c, d = (LaunchConfig.from_key(k) for k in ("w4_u1_pdl1_nc1", "w8_u1_pdl1_nc1", "w2_u1_pdl1_nc1", "w16_u1_pdl0_nc0"))
+    tuned = {(16, 16): a, (64, 64): b, (128, 128): c, (8, 64): d}  # (live heads, heads written)
+    assert [tuning.pick(tuned, h) for h in (16, 64, 128)] == [a, b, c]
+    assert tuning.pick(tuned, 8, 64) == d  # pads written: the (8, 64) entry
+    assert tuning.pick(tuned, 8) == a  # zero-once (8 written): log2 distance 1 + 1 to (16, 16), 0 + 3 to (8, 64)
+    assert tuning.pick(tuned, 16, 64) == d  # 1 + 0 from (8, 64), 0 + 2 from (16, 16), 2 + 0 from (64, 64)
+    assert tuning.pick(tuned, 32) == b  # 1 + 1 to both (16, 16) and (64, 64): the larger
+    assert tuning.pick(tuned, 4096) == c
+    assert tuning.pick(tuned, None) == c  # no Q heads (KV ops): the largest
     assert tuning.pick({}, 16) is None and tuning.pick(None, 16) is None
 
 
@@ -179,7 +181,7 @@ def test_corrupt_database_is_reported_and_ignored(tmp_path, text):
 def test_dispatcher_prefers_the_database_over_the_heuristic(monkeypatch):
     """kernel_for picks the DB entry of the token-count bucket, else the arch default."""
     name = "qkv_d512r64_fp8_ds_mla_bf16_sm90"
-    fake_db = {(name, 64): {64: LaunchConfig.from_key("w16_u1_pdl1_nc0"), 16: LaunchConfig.from_key("w2_u2_pdl0_nc0")}}
+    fake_db = {(name, 64): {(64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0"), (16, 16): LaunchConfig.from_key("w2_u2_pdl0_nc0")}}
     monkeypatch.setattr(ops, "tuning_table", lambda: fake_db)
     monkeypatch.setattr(ops, "device_target", lambda device: ("sm90", "sm_90a"))
     monkeypatch.setattr(ops.selftest, "resolve", lambda device, n, cfg, target: n)
