@@ -244,6 +244,21 @@ def run_shape(shape: Shape, *, baselines: bool = True, replays: int = 30, config
     return res
 
 
+def host_time_us(call: Callable[[], object], calls: int = 2000, warmup: int = 100) -> float:
+    """Host wall time per call of `call` issued back to back: the median of 5 timed loops."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 def host_overhead_us(shape: Shape, calls: int = 2000) -> dict:
     """Host wall time per eager call, T=1, calls issued back to back (the device work of a T=1
     call is ~2 us, so the host is the bottleneck and the loop measures it). Also measured: the
@@ -260,17 +275,7 @@ def host_overhead_us(shape: Shape, calls: int = 2000) -> dict:
            1e-6, shape.block_size, shape.p, 0, max_ctas)
 
     def timed(call) -> float:
-        for _ in range(100):
-            call()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                call()
-            samples.append((time.perf_counter() - t0) / calls * 1e6)
-            torch.cuda.synchronize()
-        return statistics.median(samples)
+        return host_time_us(call, calls)
 
     from . import api, scratch
 

@@ -267,7 +267,8 @@ _tuning_table: Optional[dict] = None
 
 
 def tuning_table() -> dict:
-    """(variant, bucket) -> {heads: LaunchConfig} from the tuning database for this GPU (empty without one)."""
+    """(variant, bucket) -> {(heads, heads written): LaunchConfig} from the tuning database for this
+    GPU (empty without one)."""
     global _tuning_table
     if _tuning_table is None:
         from . import tuning

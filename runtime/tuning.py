@@ -5,9 +5,9 @@ count, compute capability, driver), the package and DSL versions, the variant, a
 bucket (powers of two) and the Q head counts it was tuned at (H live heads, P heads written: the
 tuner writes the pad heads), and holds the best launch-config key with its timing. A call uses the
 entry tuned at its (H, heads written), else the nearest one: the KV rows' share of the work and
-the share of pad zeroing change which config wins. Loading checks the
-metadata against the running environment: a mismatch is reported and ignored unless forced; a
-corrupt file is reported and ignored. Runs merge into one file.
+the share of pad zeroing change which config wins. Loading checks the metadata against the running
+environment: a mismatch is reported and ignored unless forced; a corrupt file is reported and
+ignored. Runs merge into one file.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class TuningDatabase:
         return path
 
     def merge(self, new_entries: list[dict]) -> None:
-        """New entries replace old ones with the same environment, variant and bucket."""
+        """New entries replace old ones with the same environment, variant, bucket and head counts."""
         def ident(e):
             return tuple(e.get(f) for f in MATCH_FIELDS) + (e["variant"], e["bucket"], e.get("heads", DEFAULT_HEADS),
                                                              e.get("padded_heads", e.get("heads", DEFAULT_HEADS)))

@@ -379,6 +379,26 @@ def test_token_offsets_are_64_bit(built, v, key):
     assert _meta(built, key)["ptx"]["mul_wide_s64_or_64bit_mad"] > 0
 
 
+_SIGNATURE = re.compile(rb"__call__\((.*?)\)`")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("v, key", ENTRIES, ids=ENTRY_IDS)
+def test_compiled_function_checks_equal_token_counts(built, v, key):
+    """The exported function's argument spec (what TVM-FFI checks before launching): q_in, kv and
+    positions of the qkv op share one row-count variable, so a call whose counts differ is refused
+    there; the Python hot paths rely on it. Other ops keep independent counts."""
+    so = (built.cache.entry_dir(key) / "kernel.so").read_bytes()
+    spec = _SIGNATURE.search(so)
+    assert spec, "no argument spec in kernel.so"
+    dims = dict(re.findall(rb"(\w+): Tensor\(\[(\w+)", spec.group(1)))
+    if v.op is Op.QKV:
+        assert dims[b"q_in"] == dims[b"kv"] == dims[b"positions"], spec.group(1)
+        assert len({dims[b"q_in"], dims[b"slot_mapping"], dims[b"q_out"]}) == 3, spec.group(1)
+    else:
+        assert dims[b"kv"] != dims[b"positions"], spec.group(1)
+
+
 # ---- the build graph ----------------------------------------------------------------------------------
 _COLON = object()
 

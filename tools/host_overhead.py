@@ -15,24 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
-
-
-def timed(call, calls: int = 2000) -> float:
-    import torch
-
-    for _ in range(200):
-        call()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -46,6 +29,9 @@ def main() -> None:
     import torch
 
     from attn_prologue import api, bench, ops, scratch
+
+    def timed(call) -> float:
+        return bench.host_time_us(call, warmup=200)
 
     shape = bench.Shape(n=1)
     s = bench.input_sets(shape, 1)[0]
