@@ -332,7 +332,7 @@ def qnorm_rope_kv_insert(
     """Validate, pick the variant for this device and launch it (CUDA tensors)."""
     try:
         n, h, d = q_in.shape
-        n_out, p = q_out.shape[:2]
+        n_out, p, _ = q_out.shape
         nwh = p if write_pad_heads else h
         key = (q_in.get_device(), q_in.dtype, cache_format, d, h, nwh, cos_sin_cache.shape[1], q_scale is not None, config, conversions)
         fns, errors, bpt, needs_scale = _fast_qkv[key]
