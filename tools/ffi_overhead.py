@@ -4,9 +4,6 @@ Compiles tiny kernels (1 tensor, 8 tensors, 8 pointers + 8 ints) and times back-
 Run on a GPU machine: python tools/ffi_overhead.py
 """
 
-import statistics
-import time
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -48,17 +45,9 @@ def eight_ptr(a: cute.Tensor, b: cute.Pointer, c: cute.Pointer, d: cute.Pointer,
 
 
 def timed(call, n=3000):
-    for _ in range(200):
-        call()
-    torch.cuda.synchronize()
-    s = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            call()
-        s.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(s)
+    from attn_prologue.bench import host_time_us
+
+    return host_time_us(call, n, warmup=200)
 
 
 def main():

@@ -117,7 +117,7 @@ class Kernel:
             n_write_heads,
             checked,
             max_ctas,
-            q_in.shape[1],
+            q_in.shape[1],  # q_heads: H as a scalar argument (row -> (token, head) in 32 bits)
             kv_passes,
             q_end,
             passes,
@@ -384,7 +384,7 @@ class Kernel:
                 ys[s].store(frags[s].load().to(Float32))
             self.rotate_tail(ys, tables, ok, sub)
             xr = [ys[s].load().to(IO_DTYPE).to(Float32) for s in range(SLOTS)]  # round through the I/O dtype
-            block = Int64(Int32(slot) // block_size)  # 32-bit division: slots of a GPU's cache fit in 31 bits
+            block = Int64(Int32(slot) // block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
             if slot > Int64(0x7FFFFFFF):
                 block = slot // Int64(block_size)
             page = kl.base_address(k_cache) + block * k_cache.stride[0]

@@ -11,7 +11,6 @@ import torch
 
 import attn_prologue as ap
 from attn_prologue import ops, reference, selftest
-
 from attn_prologue.errors import InputError, ScratchError
 
 from ..bad_inputs import BS, CASES, CUDA_ONLY, D, H, N, P, snapshot, unchanged, valid
@@ -64,8 +63,7 @@ def test_bad_input_to_bound_op_raises_and_writes_nothing(name):
     pool.lock()
     op = ap.bind(num_heads=H, padded_heads=P, head_dim=D, block_size=BS, pool=pool)
     args = valid("cuda")
-    call_args = [args[k] for k in BOUND_ARGS]
-    op(*call_args)
+    op(*[args[k] for k in BOUND_ARGS])
     edit(args)
     buffer = pool.buffer(padded_heads=P, head_dim=D)
     buffer.fill_(float("nan"))
@@ -84,14 +82,16 @@ def test_bound_op_refuses_too_many_tokens_and_unknown_micro_batch():
     args = valid("cuda")
     small = {k: (v[: N - 1] if k in ("q_in", "kv", "slot_mapping", "positions") else v) for k, v in args.items()}
     op(*[small[k] for k in BOUND_ARGS])  # fits; binds the cache
-    before = snapshot(args)
+    buffer = pool.buffer(padded_heads=P, head_dim=D)
+    buffer.fill_(float("nan"))
+    before = dict(snapshot(args), q_scratch=buffer.clone())
     with pytest.raises(ScratchError):
         op(*[args[k] for k in BOUND_ARGS])
     for mb in (1, -1):
         with pytest.raises(InputError):
             op(*[small[k] for k in BOUND_ARGS], micro_batch=mb)
     torch.cuda.synchronize()
-    assert unchanged(before, args) == []
+    assert unchanged(before, dict(args, q_scratch=buffer)) == []
 
 
 def test_checked_mode_guard_regions_and_exact_count():
