@@ -259,42 +259,55 @@ def host_time_us(call: Callable[[], object], calls: int = 2000, warmup: int = 10
     return statistics.median(samples)
 
 
+@dataclass
+class HostCalls:
+    """What host_overhead_us times, on one input set (each call already made once)."""
+    args: tuple  # the one-call function's arguments
+    fn: Callable  # the compiled function of the shape's token-count bucket ...
+    raw: tuple  # ... and its prebuilt arguments
+    bound: object  # a bound op (zero-once scratch from a locked pool) ...
+    bound_args: tuple  # ... and its per-call arguments
+
+
+def host_calls(shape: Shape) -> HostCalls:
+    from . import api, ops, scratch
+
+    s = input_sets(shape, 1)[0]
+    args = (s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], 1e-6,
+            shape.block_size, shape.cache_format)
+    ops.qnorm_rope_kv_insert(*args)
+    fns, errors, _, _ = ops._bind_qkv(s["q_in"], s["cos_sin_cache"], shape.cache_format, False, None, None)
+    fn, max_ctas = fns[min((shape.n - 1).bit_length(), ops.MAX_BUCKET_LOG2)]
+    raw = (s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], errors,
+           1e-6, shape.block_size, shape.p, 0, max_ctas)
+    fn(*raw)
+    pool = scratch.ScratchPool()
+    pool.reserve(max_tokens=shape.n, padded_heads=shape.p, head_dim=shape.head_dim, micro_batches=1)
+    pool.lock()
+    bound = api.bind(num_heads=shape.h, padded_heads=shape.p, head_dim=shape.head_dim, rope_dim=shape.rope_dim,
+                     cache_format=shape.cache_format, block_size=shape.block_size, pool=pool)
+    bound_args = (s["q_in"], s["kv"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"])
+    bound(*bound_args)
+    return HostCalls(args, fn, raw, bound, bound_args)
+
+
 def host_overhead_us(shape: Shape, calls: int = 2000) -> dict:
     """Host wall time per eager call, T=1, calls issued back to back (the device work of a T=1
     call is ~2 us, so the host is the bottleneck and the loop measures it). Also measured: the
     bare TVM-FFI call with prebuilt arguments, and the call through torch.ops (custom-op boundary)."""
     from . import ops
 
-    s = input_sets(shape, 1)[0]
-    args = (s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], 1e-6,
-            shape.block_size, shape.cache_format)
-    ops.qnorm_rope_kv_insert(*args)
-    fn, max_ctas = ops._bind_qkv(s["q_in"], s["cos_sin_cache"], shape.cache_format, False, None, None)[0][0]
-    errors = ops.errors_buffer(s["q_in"].device)
-    raw = (s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], errors,
-           1e-6, shape.block_size, shape.p, 0, max_ctas)
-
-    def timed(call) -> float:
-        return host_time_us(call, calls)
-
-    from . import api, scratch
-
-    pool = scratch.ScratchPool()
-    pool.reserve(max_tokens=shape.n, padded_heads=shape.p, head_dim=shape.head_dim, micro_batches=1)
-    pool.lock()
-    bound = api.bind(num_heads=shape.h, padded_heads=shape.p, head_dim=shape.head_dim, rope_dim=shape.rope_dim,
-                     cache_format=shape.cache_format, block_size=shape.block_size, pool=pool)
-    bargs = (s["q_in"], s["kv"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"])
+    c = host_calls(shape)
     out = {
-        "median_us": timed(lambda: ops.qnorm_rope_kv_insert(*args)),
-        "bound_op_us": timed(lambda: bound(*bargs)),
-        "bare_tvm_ffi_call_us": timed(lambda: fn(*raw)),
+        "median_us": host_time_us(lambda: ops.qnorm_rope_kv_insert(*c.args), calls),
+        "bound_op_us": host_time_us(lambda: c.bound(*c.bound_args), calls),
+        "bare_tvm_ffi_call_us": host_time_us(lambda: c.fn(*c.raw), calls),
     }
     try:
         import attn_prologue.torch_op  # noqa: F401  (registers torch.ops.attn_prologue)
 
         op = torch.ops.attn_prologue.qnorm_rope_kv_insert
-        out["torch_ops_call_us"] = timed(lambda: op(*args[:9]))
+        out["torch_ops_call_us"] = host_time_us(lambda: op(*c.args[:9]), calls)
     except Exception as exc:  # the torch op is optional here
         out["torch_ops_call_us"] = None
         out["torch_ops_error"] = str(exc)

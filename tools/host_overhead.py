@@ -28,33 +28,20 @@ def main() -> None:
 
     import torch
 
-    from attn_prologue import api, bench, ops, scratch
+    from attn_prologue import api, bench, ops
 
     def timed(call) -> float:
         return bench.host_time_us(call, warmup=200)
 
     shape = bench.Shape(n=1)
-    s = bench.input_sets(shape, 1)[0]
-    args = (s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], 1e-6,
-            shape.block_size, shape.cache_format)
-    ops.qnorm_rope_kv_insert(*args)
-    fns, errors, _, _ = ops._bind_qkv(s["q_in"], s["cos_sin_cache"], shape.cache_format, False, None, None)
-    fn, max_ctas = fns[0]
-    raw = (s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], errors,
-           1e-6, shape.block_size, shape.p, 0, max_ctas)
-    pool = scratch.ScratchPool()
-    pool.reserve(max_tokens=1, padded_heads=shape.p, head_dim=shape.head_dim, micro_batches=1)
-    pool.lock()
-    bound = api.bind(num_heads=shape.h, padded_heads=shape.p, head_dim=shape.head_dim, rope_dim=shape.rope_dim,
-                     cache_format=shape.cache_format, block_size=shape.block_size, pool=pool)
-    bargs = (s["q_in"], s["kv"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"])
-    bound(*bargs)
+    host = bench.host_calls(shape)
+    args, bound, bargs = host.args, host.bound, host.bound_args
 
     def noop(*_):
         pass
 
     stub = api.bind(num_heads=shape.h, padded_heads=shape.p, head_dim=shape.head_dim, rope_dim=shape.rope_dim,
-                    cache_format=shape.cache_format, block_size=shape.block_size, pool=pool)
+                    cache_format=shape.cache_format, block_size=shape.block_size, pool=bound.pool)
     stub._calls = [(noop, tail) for _, tail in stub._calls]
     stub(*bargs)
     key = next(k for k in ops._fast_qkv if k[2] == shape.cache_format and k[3] == shape.head_dim)
@@ -70,11 +57,12 @@ def main() -> None:
     cases = {
         "one-call function": lambda: timed(lambda: ops.qnorm_rope_kv_insert(*args)),
         "bound op": lambda: timed(lambda: bound(*bargs)),
-        "bare TVM-FFI call (13 arguments)": lambda: timed(lambda: fn(*raw)),
+        "bare TVM-FFI call (13 arguments)": lambda: timed(lambda: host.fn(*host.raw)),
         "one-call function, kernel call replaced by a no-op": one_call_stub,
         "bound op, kernel call replaced by a no-op": lambda: timed(lambda: stub(*bargs)),
-        "no-op Python call (13 arguments)": lambda: timed(lambda: noop(*raw)),
+        "no-op Python call (13 arguments)": lambda: timed(lambda: noop(*host.raw)),
     }
+
     def measure(label: str) -> dict:
         runs = {name: [] for name in cases}
         for order in (list(cases), list(reversed(cases))):
