@@ -16,8 +16,8 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 from attn_prologue import compiler
 from attn_prologue.kernel_cache import KernelCache, KernelKey
@@ -47,7 +47,9 @@ def tuned_configs() -> dict[tuple[str, str], set[LaunchConfig]]:
 
 
 def build_keys(
-    variants: Iterable[Variant], targets: Optional[set[str]] = None, configs: Optional[Iterable[LaunchConfig]] = None
+    variants: Iterable[Variant],
+    targets: set[str] | None = None,
+    configs: Iterable[LaunchConfig] | None = None,
 ) -> list[tuple[Variant, KernelKey]]:
     """Every (variant, config, target) to compile: the given configs, or the arch default plus the
     configs the tuning database names for that variant and target."""
@@ -115,16 +117,19 @@ def compile_entries(cache: KernelCache, specs: list[str]) -> None:
         variant, target, cfg = spec.split(":")
         t0 = time.perf_counter()
         meta = cache.ensure_built(KernelKey(variant, LaunchConfig.from_key(cfg), target))
-        print(f"  {variant} {target} {cfg}: {meta['resources']['registers']} regs, {time.perf_counter() - t0:.2f}s", flush=True)
+        print(
+            f"  {variant} {target} {cfg}: {meta['resources']['registers']} regs, {time.perf_counter() - t0:.2f}s",
+            flush=True,
+        )
 
 
 def run(
     cache: KernelCache,
     *,
-    jobs: Optional[int] = None,
-    targets: Optional[set[str]] = None,
-    variants: Optional[list[Variant]] = None,
-    configs: Optional[list[LaunchConfig]] = None,
+    jobs: int | None = None,
+    targets: set[str] | None = None,
+    variants: list[Variant] | None = None,
+    configs: list[LaunchConfig] | None = None,
     verbose: bool = False,
 ) -> dict:
     variants = variants if variants is not None else variant_space()
@@ -161,8 +166,22 @@ def summary_table(metas: list[dict]) -> str:
         regs = [m["resources"]["registers"] for m in ms]
         stack = max(m["resources"]["frame_bytes"] + m["resources"]["min_stack_bytes"] for m in ms)
         local = sum(1 for m in ms if m["ptx"]["local_memory"] or m["resources"]["local_sections"])
-        loads = sorted({int(k.rsplit(".", 1)[1]) for m in ms for k in m["ptx"]["global_access_bits"] if k.startswith("ld")})
-        stores = sorted({int(k.rsplit(".", 1)[1]) for m in ms for k in m["ptx"]["global_access_bits"] if k.startswith("st")})
+        loads = sorted(
+            {
+                int(k.rsplit(".", 1)[1])
+                for m in ms
+                for k in m["ptx"]["global_access_bits"]
+                if k.startswith("ld")
+            }
+        )
+        stores = sorted(
+            {
+                int(k.rsplit(".", 1)[1])
+                for m in ms
+                for k in m["ptx"]["global_access_bits"]
+                if k.startswith("st")
+            }
+        )
         secs = [m["compile_seconds"] for m in ms]
         rows.append(
             f"{target:8} {len(ms):7d} {min(regs):>3}-{max(regs):<3} {stack:5d} {local:5d} "

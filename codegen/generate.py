@@ -83,7 +83,12 @@ def check(out: Path | None = None, max_diff_lines: int = 40) -> tuple[bool, str]
             if len(diff_lines) < max_diff_lines:
                 diff_lines += list(
                     difflib.unified_diff(
-                        current.splitlines(), text.splitlines(), f"generated/{rel}", f"rendered/{rel}", lineterm="", n=1
+                        current.splitlines(),
+                        text.splitlines(),
+                        f"generated/{rel}",
+                        f"rendered/{rel}",
+                        lineterm="",
+                        n=1,
                     )
                 )
     for rel in sorted(_owned_on_disk(out) - set(files)):
@@ -91,5 +96,7 @@ def check(out: Path | None = None, max_diff_lines: int = 40) -> tuple[bool, str]
     if not problems:
         return True, f"generated/ is up to date ({len(files) - 3} variants)"
     shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-    report = "\n".join(shown + diff_lines[:max_diff_lines] + [f"generated/ is out of date: run `{REGENERATE}`"])
+    report = "\n".join(
+        shown + diff_lines[:max_diff_lines] + [f"generated/ is out of date: run `{REGENERATE}`"]
+    )
     return False, report

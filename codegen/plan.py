@@ -39,7 +39,11 @@ def signature(v: Variant) -> list[Argument]:
     tokens = TOKENS if v.op is Op.QKV else sym
     args = []
     if v.op is Op.QKV:
-        args.append(_tensor("q_in", f"make_fake_tensor({io}, ({tokens}, {sym}, {d}), ({sym64}, {d}, 1), assumed_align=16)"))
+        args.append(
+            _tensor(
+                "q_in", f"make_fake_tensor({io}, ({tokens}, {sym}, {d}), ({sym64}, {d}, 1), assumed_align=16)"
+            )
+        )
     args.append(_tensor("kv", f"make_fake_tensor({io}, ({tokens}, {d}), ({sym64}, 1), assumed_align=16)"))
     if v.op is Op.QKV:
         if v.q_out is QOut.FP8:
@@ -49,7 +53,10 @@ def signature(v: Variant) -> list[Argument]:
     if v.op is Op.KV_NORM:
         args.append(_tensor("norm_weight", f"make_fake_compact_tensor({io}, ({d},), assumed_align=16)"))
     args += [
-        _tensor("k_cache", f"make_fake_tensor(Uint8, ({sym}, {sym}), (cute.sym_int64(divisibility=16), 1), assumed_align=16)"),
+        _tensor(
+            "k_cache",
+            f"make_fake_tensor(Uint8, ({sym}, {sym}), (cute.sym_int64(divisibility=16), 1), assumed_align=16)",
+        ),
         _tensor("slot_mapping", f"make_fake_compact_tensor(Int64, ({sym},), assumed_align=8)"),
         _tensor("positions", f"make_fake_compact_tensor(Int64, ({tokens},), assumed_align=8)"),
         _tensor(
@@ -68,7 +75,9 @@ def signature(v: Variant) -> list[Argument]:
     if v.op is Op.QKV:
         args.append(Argument("n_write_heads", "Int32", "Int32(64)"))
     args.append(Argument("checked", "Int32", "Int32(0)"))
-    args.append(Argument("max_ctas", "Int32", "Int32(0)"))  # grid cap of persistent configs (SMs x CTAs per SM)
+    args.append(
+        Argument("max_ctas", "Int32", "Int32(0)")
+    )  # grid cap of persistent configs (SMs x CTAs per SM)
     return args
 
 

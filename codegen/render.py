@@ -42,7 +42,9 @@ def render_registry(variants: list[Variant]) -> str:
         signatures[sid] = args
         sig_ids[v.name] = sid
     return _tidy(
-        template.render(variants=variants, specs=ARCH_SPECS, targets=targets, sig_ids=sig_ids, signatures=signatures)
+        template.render(
+            variants=variants, specs=ARCH_SPECS, targets=targets, sig_ids=sig_ids, signatures=signatures
+        )
     )
 
 

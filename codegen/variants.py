@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 from attn_prologue.formats import FORMATS, CacheFormat, ElementCode, ScaleCode, get_format
 
@@ -60,7 +60,7 @@ class ArchFamily(enum.Enum):
         return self is not ArchFamily.SM90
 
     @classmethod
-    def of_capability(cls, major: int, minor: int) -> "ArchFamily":
+    def of_capability(cls, major: int, minor: int) -> ArchFamily:
         if major == 9:
             return cls.SM90
         if major == 10:
@@ -99,7 +99,11 @@ class Variant:
 
     @property
     def name(self) -> str:
-        suffix = "_portable" if (self.conversions is Conversions.PORTABLE and self.arch.has_native_block_conversions) else ""
+        suffix = (
+            "_portable"
+            if (self.conversions is Conversions.PORTABLE and self.arch.has_native_block_conversions)
+            else ""
+        )
         return (
             f"{self.op.value}{self.q_out.name_part}_d{self.head_dim}r{self.rope_dim}_{self.cache_format}"
             f"_{self.io_dtype.value}_{self.arch.value}{suffix}"
@@ -119,7 +123,7 @@ class Variant:
         return self.name
 
 
-def unsupported_reason(v: Variant) -> Optional[str]:
+def unsupported_reason(v: Variant) -> str | None:
     """Why a combination is not generated (None: supported). One predicate for the whole space."""
     f = v.format
     d, r = v.head_dim, v.rope_dim
@@ -135,7 +139,11 @@ def unsupported_reason(v: Variant) -> Optional[str]:
         return f"op {v.op.value} writes no Q, so an FP8 Q output does not apply"
     if v.conversions is Conversions.NATIVE and not v.arch.has_native_block_conversions:
         return f"{v.arch.value} has no native ue8m0x2/e2m1x2 conversions (use the portable ones)"
-    if v.conversions is Conversions.PORTABLE and v.arch.has_native_block_conversions and not v.uses_arch_conversions:
+    if (
+        v.conversions is Conversions.PORTABLE
+        and v.arch.has_native_block_conversions
+        and not v.uses_arch_conversions
+    ):
         return f"{f.name} uses no UE8M0/E2M1 conversion, so a portable {v.arch.value} module would equal the native one"
     return None
 

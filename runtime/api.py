@@ -14,7 +14,6 @@ its per-call Python path is a few integer checks and one kernel call (CUDA-graph
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import torch
 
@@ -28,12 +27,28 @@ from .scratch import ScratchPool
 class BoundOp:
     """qnorm_rope_kv_insert bound to one layer's shapes, device, cache format and scratch."""
 
-    def __init__(self, *, num_heads: int, padded_heads: Optional[int] = None, head_dim: int = 512, rope_dim: int = 64,
-                 cache_format: str = "fp8_ds_mla", dtype: torch.dtype = torch.bfloat16, block_size: int,
-                 pool: Optional[ScratchPool] = None, micro_batches: int = 1, eps: float = 1e-6,
-                 kv_scale: Optional[torch.Tensor] = None, q_scale: Optional[torch.Tensor] = None,
-                 checked: bool = False, device=None, config: Optional[LaunchConfig] = None):
-        device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        padded_heads: int | None = None,
+        head_dim: int = 512,
+        rope_dim: int = 64,
+        cache_format: str = "fp8_ds_mla",
+        dtype: torch.dtype = torch.bfloat16,
+        block_size: int,
+        pool: ScratchPool | None = None,
+        micro_batches: int = 1,
+        eps: float = 1e-6,
+        kv_scale: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None,
+        checked: bool = False,
+        device=None,
+        config: LaunchConfig | None = None,
+    ):
+        device = (
+            torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        )
         if device.type != "cuda":
             raise InputError(f"bind() needs a CUDA device, got {device}")
         if device.index is None:
@@ -47,24 +62,54 @@ class BoundOp:
         if fmt.needs_tensor_scale and kv_scale is None:
             raise InputError(f"cache format {cache_format} needs kv_scale")
         q8 = q_scale is not None
-        request = dict(op="qkv", q_out="fp8" if q8 else "io", head_dim=head_dim, rope_dim=rope_dim,
-                       cache_format=cache_format, io=ops.IO_DTYPES[dtype], config=config)
+        request = dict(
+            op="qkv",
+            q_out="fp8" if q8 else "io",
+            head_dim=head_dim,
+            rope_dim=rope_dim,
+            cache_format=cache_format,
+            io=ops.IO_DTYPES[dtype],
+            config=config,
+        )
         arch, _ = ops.device_target(device)
-        dispatch.select_variant(arch=arch, op="qkv", head_dim=head_dim, rope_dim=rope_dim, cache_format=cache_format,
-                                io_dtype=ops.IO_DTYPES[dtype], q_out=request["q_out"])  # UnsupportedError early
+        dispatch.select_variant(
+            arch=arch,
+            op="qkv",
+            head_dim=head_dim,
+            rope_dim=rope_dim,
+            cache_format=cache_format,
+            io_dtype=ops.IO_DTYPES[dtype],
+            q_out=request["q_out"],
+        )  # UnsupportedError early
         fns = ops.kernels_by_bucket(device, heads=num_heads, **request)
         self.errors = ops.errors_buffer(device)
-        self.h, self.p, self.head_dim, self.block_size, self.eps = num_heads, p, head_dim, block_size, float(eps)
-        self.cache_format, self.dtype, self.device, self.checked = cache_format, dtype, device, 1 if checked else 0
+        self.h, self.p, self.head_dim, self.block_size, self.eps = (
+            num_heads,
+            p,
+            head_dim,
+            block_size,
+            float(eps),
+        )
+        self.cache_format, self.dtype, self.device, self.checked = (
+            cache_format,
+            dtype,
+            device,
+            1 if checked else 0,
+        )
         self.kv_scale, self.q_scale = kv_scale, q_scale
         self.bytes_per_token = fmt.bytes_per_token(head_dim)
         # per token-count bucket: the kernel and the arguments after the caller's tensors
         scales = tuple(t for t in (kv_scale, q_scale) if t is not None)
-        self._calls = [(fn, (*scales, self.errors, self.eps, block_size, num_heads, self.checked, max_ctas)) for fn, max_ctas in fns]
+        self._calls = [
+            (fn, (*scales, self.errors, self.eps, block_size, num_heads, self.checked, max_ctas))
+            for fn, max_ctas in fns
+        ]
         self.in_place = pool is None
         if self.in_place:
             if p != num_heads:
-                raise ScratchError(f"padded_heads={p} > num_heads={num_heads} needs a ScratchPool (Q cannot be padded in place)")
+                raise ScratchError(
+                    f"padded_heads={p} > num_heads={num_heads} needs a ScratchPool (Q cannot be padded in place)"
+                )
             if q8:
                 raise ScratchError("an FP8 q_out needs a ScratchPool (FP8 Q cannot be written in place)")
             self.buffers = []
@@ -72,7 +117,14 @@ class BoundOp:
         else:
             out_dtype = torch.float8_e4m3fn if q8 else dtype
             self.buffers = [
-                pool.claim(num_heads, padded_heads=p, head_dim=head_dim, dtype=out_dtype, micro_batch=mb, device=device)
+                pool.claim(
+                    num_heads,
+                    padded_heads=p,
+                    head_dim=head_dim,
+                    dtype=out_dtype,
+                    micro_batch=mb,
+                    device=device,
+                )
                 for mb in range(micro_batches)
             ]
             if q8:
@@ -112,31 +164,54 @@ class BoundOp:
             return out
         v = views.get(n)
         if v is None:
-            v = views[n] = self.pool.view(n, padded_heads=self.p, head_dim=self.head_dim,
-                                          dtype=torch.float8_e4m3fn if self.q_scale is not None else self.dtype,
-                                          micro_batch=micro_batch, device=self.device)
+            v = views[n] = self.pool.view(
+                n,
+                padded_heads=self.p,
+                head_dim=self.head_dim,
+                dtype=torch.float8_e4m3fn if self.q_scale is not None else self.dtype,
+                micro_batch=micro_batch,
+                device=self.device,
+            )
         return v
 
     def _check_micro_batch(self, micro_batch) -> None:
         if not isinstance(micro_batch, int) or not 0 <= micro_batch < max(1, len(self.buffers)):
-            raise InputError(f"micro_batch={micro_batch!r} but {len(self.buffers)} micro-batch buffers are bound")
+            raise InputError(
+                f"micro_batch={micro_batch!r} but {len(self.buffers)} micro-batch buffers are bound"
+            )
 
     def _full_check(self, q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch):
         self._check_micro_batch(micro_batch)
         if not isinstance(q_in, torch.Tensor) or q_in.dim() != 3 or q_in.shape[1] != self.h:
-            raise InputError(f"q_in must be [N, {self.h}, {self.head_dim}] for this bound op, got {tuple(getattr(q_in, 'shape', ()))}")
+            raise InputError(
+                f"q_in must be [N, {self.h}, {self.head_dim}] for this bound op, got {tuple(getattr(q_in, 'shape', ()))}"
+            )
         n = q_in.shape[0]
         if self.in_place:
             q_out = q_in
         else:
             if n > self.capacity:
-                raise ScratchError(f"{n} tokens exceed the {self.capacity} reserved in the scratch pool (locked: "
-                                   f"{self.pool.locked}); reserve max_num_batched_tokens at profile time")
+                raise ScratchError(
+                    f"{n} tokens exceed the {self.capacity} reserved in the scratch pool (locked: "
+                    f"{self.pool.locked}); reserve max_num_batched_tokens at profile time"
+                )
             q_out = self.buffers[micro_batch][: max(n, 1)]
             if self.q_scale is not None:
                 q_out = q_out.view(torch.float8_e4m3fn)
-        ops.check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, self.eps, self.block_size,
-                      self.cache_format, q_scale=self.q_scale, kv_scale=self.kv_scale)
+        ops.check_qkv(
+            q_in,
+            kv,
+            q_out,
+            k_cache,
+            slot_mapping,
+            positions,
+            cos_sin_cache,
+            self.eps,
+            self.block_size,
+            self.cache_format,
+            q_scale=self.q_scale,
+            kv_scale=self.kv_scale,
+        )
         self._k_cache = k_cache
 
 

@@ -61,7 +61,9 @@ def cubin_resources(data: bytes) -> dict:
                     sym, value = struct.unpack("<II", val)
                     if not names.get(sym, "kernel").startswith("kernel"):
                         continue
-                    key = {EIATTR_REGCOUNT: "registers", EIATTR_FRAME_SIZE: "frame_bytes"}.get(attr, "min_stack_bytes")
+                    key = {EIATTR_REGCOUNT: "registers", EIATTR_FRAME_SIZE: "frame_bytes"}.get(
+                        attr, "min_stack_bytes"
+                    )
                     found[key] = max(found[key], value)
             else:
                 i += 4

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional
 
 import torch
 
@@ -85,7 +85,13 @@ def copy_fns(nbytes: int, sets: int, kind: str = "sm") -> list[Callable[[], None
     """Device-to-device copies moving nbytes in total (nbytes/2 read + nbytes/2 written):
     kind "sm" is copy_kernel (128-bit loads/stores on the SMs), "memcpy" is torch's copy_."""
     half = max(64, nbytes // 2 // 64 * 64)
-    bufs = [(torch.empty(half // 4, dtype=torch.int32, device="cuda"), torch.empty(half // 4, dtype=torch.int32, device="cuda")) for _ in range(sets)]
+    bufs = [
+        (
+            torch.empty(half // 4, dtype=torch.int32, device="cuda"),
+            torch.empty(half // 4, dtype=torch.int32, device="cuda"),
+        )
+        for _ in range(sets)
+    ]
     for s, _ in bufs:
         s.random_(-(2**31), 2**31 - 1)
     if kind == "memcpy":
@@ -113,8 +119,8 @@ class Result:
     bytes: int
     op: dict
     copy: dict
-    eager: Optional[dict] = None
-    compiled: Optional[dict] = None
+    eager: dict | None = None
+    compiled: dict | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -159,10 +165,15 @@ def input_sets(shape: Shape, sets: int) -> list[dict]:
     for _ in range(sets):
         s = {
             "kv": torch.randn(n, d, device="cuda", generator=g).to(dt),
-            "k_cache": torch.zeros(num_blocks, shape.block_size * fmt.bytes_per_token(d), dtype=torch.uint8, device="cuda"),
+            "k_cache": torch.zeros(
+                num_blocks, shape.block_size * fmt.bytes_per_token(d), dtype=torch.uint8, device="cuda"
+            ),
             # a paged allocator's mapping: blocks in random order, tokens consecutive inside a block
-            "slot_mapping": (torch.randperm(num_blocks, device="cuda", generator=g).repeat_interleave(shape.block_size)
-                             * shape.block_size + torch.arange(num_blocks * shape.block_size, device="cuda") % shape.block_size)[:n].contiguous(),
+            "slot_mapping": (
+                torch.randperm(num_blocks, device="cuda", generator=g).repeat_interleave(shape.block_size)
+                * shape.block_size
+                + torch.arange(num_blocks * shape.block_size, device="cuda") % shape.block_size
+            )[:n].contiguous(),
             "positions": torch.randint(0, max_pos, (n,), device="cuda", generator=g),
             "cos_sin_cache": cos_sin,
         }
@@ -171,7 +182,9 @@ def input_sets(shape: Shape, sets: int) -> list[dict]:
         if shape.op == "qkv":
             s["q_in"] = torch.randn(n, shape.h, d, device="cuda", generator=g).to(dt)
             if shape.q_fp8:
-                s["q_out"] = torch.zeros(n, shape.p, d, device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)
+                s["q_out"] = torch.zeros(n, shape.p, d, device="cuda", dtype=torch.uint8).view(
+                    torch.float8_e4m3fn
+                )
                 s["q_scale"] = torch.tensor([0.05], device="cuda")
             else:
                 s["q_out"] = torch.zeros(n, shape.p, d, device="cuda", dtype=dt)
@@ -185,34 +198,86 @@ def sets_for_cold_l2(shape: Shape) -> int:
     return max(2, min(64, (3 * l2_bytes()) // max(1, shape.min_bytes()) + 1))
 
 
-def op_fns(shape: Shape, sets: list[dict], impl: str = "kernel", config=None, checked: bool = False) -> list[Callable[[], None]]:
+def op_fns(
+    shape: Shape, sets: list[dict], impl: str = "kernel", config=None, checked: bool = False
+) -> list[Callable[[], None]]:
     from . import ops, reference
 
     fns = []
     for s in sets:
         if impl == "kernel":
             if shape.op == "qkv":
-                fns.append(lambda s=s: ops.qnorm_rope_kv_insert(
-                    s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"],
-                    1e-6, shape.block_size, shape.cache_format, kv_scale=s.get("kv_scale"), q_scale=s.get("q_scale"),
-                    write_pad_heads=not shape.zero_once, config=config, checked=checked))
+                fns.append(
+                    lambda s=s: ops.qnorm_rope_kv_insert(
+                        s["q_in"],
+                        s["kv"],
+                        s["q_out"],
+                        s["k_cache"],
+                        s["slot_mapping"],
+                        s["positions"],
+                        s["cos_sin_cache"],
+                        1e-6,
+                        shape.block_size,
+                        shape.cache_format,
+                        kv_scale=s.get("kv_scale"),
+                        q_scale=s.get("q_scale"),
+                        write_pad_heads=not shape.zero_once,
+                        config=config,
+                        checked=checked,
+                    )
+                )
             else:
-                fns.append(lambda s=s: ops.kv_rope_insert(
-                    s["kv"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], shape.block_size,
-                    shape.cache_format, norm_weight=s.get("norm_weight"), kv_scale=s.get("kv_scale"), config=config))
+                fns.append(
+                    lambda s=s: ops.kv_rope_insert(
+                        s["kv"],
+                        s["k_cache"],
+                        s["slot_mapping"],
+                        s["positions"],
+                        s["cos_sin_cache"],
+                        shape.block_size,
+                        shape.cache_format,
+                        norm_weight=s.get("norm_weight"),
+                        kv_scale=s.get("kv_scale"),
+                        config=config,
+                    )
+                )
         else:
             ref = reference.qnorm_rope_kv_insert if shape.op == "qkv" else reference.kv_rope_insert
             if impl == "compiled":
                 ref = _compiled(ref)
             if shape.op == "qkv":
-                fns.append(lambda s=s, ref=ref: ref(
-                    s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"],
-                    1e-6, shape.block_size, shape.cache_format, kv_scale=s.get("kv_scale"), q_scale=s.get("q_scale"),
-                    order="eager"))
+                fns.append(
+                    lambda s=s, ref=ref: ref(
+                        s["q_in"],
+                        s["kv"],
+                        s["q_out"],
+                        s["k_cache"],
+                        s["slot_mapping"],
+                        s["positions"],
+                        s["cos_sin_cache"],
+                        1e-6,
+                        shape.block_size,
+                        shape.cache_format,
+                        kv_scale=s.get("kv_scale"),
+                        q_scale=s.get("q_scale"),
+                        order="eager",
+                    )
+                )
             else:
-                fns.append(lambda s=s, ref=ref: ref(
-                    s["kv"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], shape.block_size,
-                    shape.cache_format, norm_weight=s.get("norm_weight"), kv_scale=s.get("kv_scale"), order="eager"))
+                fns.append(
+                    lambda s=s, ref=ref: ref(
+                        s["kv"],
+                        s["k_cache"],
+                        s["slot_mapping"],
+                        s["positions"],
+                        s["cos_sin_cache"],
+                        shape.block_size,
+                        shape.cache_format,
+                        norm_weight=s.get("norm_weight"),
+                        kv_scale=s.get("kv_scale"),
+                        order="eager",
+                    )
+                )
     return fns
 
 
@@ -262,6 +327,7 @@ def host_time_us(call: Callable[[], object], calls: int = 2000, warmup: int = 10
 @dataclass
 class HostCalls:
     """What host_overhead_us times, on one input set (each call already made once)."""
+
     args: tuple  # the one-call function's arguments
     fn: Callable  # the compiled function of the shape's token-count bucket ...
     raw: tuple  # ... and its prebuilt arguments
@@ -273,19 +339,49 @@ def host_calls(shape: Shape) -> HostCalls:
     from . import api, ops, scratch
 
     s = input_sets(shape, 1)[0]
-    args = (s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], 1e-6,
-            shape.block_size, shape.cache_format)
+    args = (
+        s["q_in"],
+        s["kv"],
+        s["q_out"],
+        s["k_cache"],
+        s["slot_mapping"],
+        s["positions"],
+        s["cos_sin_cache"],
+        1e-6,
+        shape.block_size,
+        shape.cache_format,
+    )
     ops.qnorm_rope_kv_insert(*args)
     fns, errors, _, _ = ops._bind_qkv(s["q_in"], s["cos_sin_cache"], shape.cache_format, False, None, None)
     fn, max_ctas = fns[min((shape.n - 1).bit_length(), ops.MAX_BUCKET_LOG2)]
-    raw = (s["q_in"], s["kv"], s["q_out"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"], errors,
-           1e-6, shape.block_size, shape.p, 0, max_ctas)
+    raw = (
+        s["q_in"],
+        s["kv"],
+        s["q_out"],
+        s["k_cache"],
+        s["slot_mapping"],
+        s["positions"],
+        s["cos_sin_cache"],
+        errors,
+        1e-6,
+        shape.block_size,
+        shape.p,
+        0,
+        max_ctas,
+    )
     fn(*raw)
     pool = scratch.ScratchPool()
     pool.reserve(max_tokens=shape.n, padded_heads=shape.p, head_dim=shape.head_dim, micro_batches=1)
     pool.lock()
-    bound = api.bind(num_heads=shape.h, padded_heads=shape.p, head_dim=shape.head_dim, rope_dim=shape.rope_dim,
-                     cache_format=shape.cache_format, block_size=shape.block_size, pool=pool)
+    bound = api.bind(
+        num_heads=shape.h,
+        padded_heads=shape.p,
+        head_dim=shape.head_dim,
+        rope_dim=shape.rope_dim,
+        cache_format=shape.cache_format,
+        block_size=shape.block_size,
+        pool=pool,
+    )
     bound_args = (s["q_in"], s["kv"], s["k_cache"], s["slot_mapping"], s["positions"], s["cos_sin_cache"])
     bound(*bound_args)
     return HostCalls(args, fn, raw, bound, bound_args)
@@ -322,8 +418,13 @@ def checked_cost(shape: Shape, replays: int = 30) -> dict:
     off = graph_time_us(op_fns(shape, sets), replays=replays, calls_per_graph=calls)["median_us"]
     on = graph_time_us(op_fns(shape, sets, checked=True), replays=replays, calls_per_graph=calls)["median_us"]
     off2 = graph_time_us(op_fns(shape, sets), replays=replays, calls_per_graph=calls)["median_us"]
-    return {"shape": shape.label, "unchecked_us": min(off, off2), "checked_us": on, "cost": on / min(off, off2) - 1,
-            "unchecked_spread": abs(off - off2) / min(off, off2)}
+    return {
+        "shape": shape.label,
+        "unchecked_us": min(off, off2),
+        "checked_us": on,
+        "cost": on / min(off, off2) - 1,
+        "unchecked_spread": abs(off - off2) / min(off, off2),
+    }
 
 
 def print_table(results: list[Result]) -> str:
@@ -351,10 +452,16 @@ def default_shapes(which: str = "targets") -> list[Shape]:
     if which in ("targets", "all", "quick"):
         ts = (1, 8, 64, 512, 2048, 8192) if which == "quick" else (1, 8, 64, 512, 2048, 8192, 32768)
         shapes += [Shape(n=t, h=64, p=64, **main) for t in ts]
-        shapes += [Shape(n=t, h=h, p=h, **main) for h in (32, 16) for t in ((1, 8) if h == 32 else (1, 8, 2048, 8192))]
+        shapes += [
+            Shape(n=t, h=h, p=h, **main)
+            for h in (32, 16)
+            for t in ((1, 8) if h == 32 else (1, 8, 2048, 8192))
+        ]
         shapes += [Shape(n=t, h=8, p=64, zero_once=z, **main) for t in (2048, 8192) for z in (False, True)]
     if which == "baseline":  # the shapes whose torch.compile baseline is measured in a short run
-        shapes += [Shape(n=t, h=64, p=64, **main) for t in (1, 64, 2048)] + [Shape(n=2048, h=16, p=16, **main)]
+        shapes += [Shape(n=t, h=64, p=64, **main) for t in (1, 64, 2048)] + [
+            Shape(n=2048, h=16, p=16, **main)
+        ]
     if which in ("indexer", "all", "quick"):
         for fmt in ("fp8_token", "mxfp4"):
             shapes += [Shape(n=t, h=64, p=64, head_dim=128, cache_format=fmt) for t in (1, 64, 2048, 8192)]
@@ -366,16 +473,44 @@ def default_shapes(which: str = "targets") -> list[Shape]:
 # (name, which results it applies to, what is measured, the bound, "min" = measured must be >= bound
 # or "max" = measured must be <= bound). H200, bf16, fp8_ds_mla, D=512, block size 64.
 def _main(s: dict) -> bool:
-    return (s["head_dim"], s["cache_format"], s["block_size"], s["dtype"], s["op"]) == (512, "fp8_ds_mla", 64, "bf16", "qkv")
+    return (s["head_dim"], s["cache_format"], s["block_size"], s["dtype"], s["op"]) == (
+        512,
+        "fp8_ds_mla",
+        64,
+        "bf16",
+        "qkv",
+    )
 
 
 TARGETS = [
-    ("T >= 2048, (64,64) and (16,16): of copy", lambda s: _main(s) and s["n"] >= 2048 and (s["h"], s["p"]) in ((64, 64), (16, 16)),
-     "of_copy", 0.95, "min"),
-    ("T = 512, (64,64): of copy", lambda s: _main(s) and s["n"] == 512 and (s["h"], s["p"]) == (64, 64), "of_copy", 0.85, "min"),
-    ("T in {1, 8}, (64,64) (32,32) (16,16): us per call", lambda s: _main(s) and s["n"] in (1, 8) and s["h"] == s["p"] in (64, 32, 16),
-     "us", 2.5, "max"),
-    ("T = 64, (64,64): us per call", lambda s: _main(s) and s["n"] == 64 and (s["h"], s["p"]) == (64, 64), "us", 4.0, "max"),
+    (
+        "T >= 2048, (64,64) and (16,16): of copy",
+        lambda s: _main(s) and s["n"] >= 2048 and (s["h"], s["p"]) in ((64, 64), (16, 16)),
+        "of_copy",
+        0.95,
+        "min",
+    ),
+    (
+        "T = 512, (64,64): of copy",
+        lambda s: _main(s) and s["n"] == 512 and (s["h"], s["p"]) == (64, 64),
+        "of_copy",
+        0.85,
+        "min",
+    ),
+    (
+        "T in {1, 8}, (64,64) (32,32) (16,16): us per call",
+        lambda s: _main(s) and s["n"] in (1, 8) and s["h"] == s["p"] in (64, 32, 16),
+        "us",
+        2.5,
+        "max",
+    ),
+    (
+        "T = 64, (64,64): us per call",
+        lambda s: _main(s) and s["n"] == 64 and (s["h"], s["p"]) == (64, 64),
+        "us",
+        4.0,
+        "max",
+    ),
     ("every shape: speedup over torch.compile", lambda s: True, "vs_compile", 2.0, "min"),
 ]
 
@@ -397,19 +532,49 @@ def check_targets(data: dict) -> list[dict]:
             if not applies(r["shape"]) or m is None:
                 continue
             met = m >= bound if kind == "min" else m <= bound
-            rows.append({"target": name, "shape": Shape(**r["shape"]).label, "measured": m, "bound": bound, "met": met})
-    pads = {(r["shape"]["n"], r["shape"]["zero_once"]): r for r in results if _main(r["shape"]) and (r["shape"]["h"], r["shape"]["p"]) == (8, 64)}
+            rows.append(
+                {
+                    "target": name,
+                    "shape": Shape(**r["shape"]).label,
+                    "measured": m,
+                    "bound": bound,
+                    "met": met,
+                }
+            )
+    pads = {
+        (r["shape"]["n"], r["shape"]["zero_once"]): r
+        for r in results
+        if _main(r["shape"]) and (r["shape"]["h"], r["shape"]["p"]) == (8, 64)
+    }
     for n in sorted({n for n, _ in pads}):
         if (n, True) in pads and (n, False) in pads:
             m = pads[(n, False)]["op"]["median_us"] / pads[(n, True)]["op"]["median_us"]
-            rows.append({"target": "(8,64) zero-once vs write-pads: speedup", "shape": f"T={n}", "measured": m, "bound": 3.0, "met": m >= 3.0})
+            rows.append(
+                {
+                    "target": "(8,64) zero-once vs write-pads: speedup",
+                    "shape": f"T={n}",
+                    "measured": m,
+                    "bound": 3.0,
+                    "met": m >= 3.0,
+                }
+            )
     meta = data.get("meta", {})
-    for when, host in (("", meta.get("host_overhead")), (", after the shapes", meta.get("host_overhead_end"))):
+    for when, host in (
+        ("", meta.get("host_overhead")),
+        (", after the shapes", meta.get("host_overhead_end")),
+    ):
         if host:
             for key in ("bound_op_us", "median_us"):
                 name = {"bound_op_us": "bound op", "median_us": "one-call function"}[key] + when
-                rows.append({"target": "eager host overhead, T=1: us", "shape": name, "measured": host[key], "bound": 8.0,
-                             "met": host[key] <= 8.0})
+                rows.append(
+                    {
+                        "target": "eager host overhead, T=1: us",
+                        "shape": name,
+                        "measured": host[key],
+                        "bound": 8.0,
+                        "met": host[key] <= 8.0,
+                    }
+                )
     return rows
 
 
@@ -417,5 +582,7 @@ def print_targets(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         fmt = f"{r['measured']:.1%}" if r["bound"] < 1 else f"{r['measured']:.2f}"
-        lines.append(f"{'met   ' if r['met'] else 'MISSED'}  {r['target']:52} {r['shape']:48} {fmt:>8} (bound {r['bound']:g})")
+        lines.append(
+            f"{'met   ' if r['met'] else 'MISSED'}  {r['target']:52} {r['shape']:48} {fmt:>8} (bound {r['bound']:g})"
+        )
     return "\n".join(lines)

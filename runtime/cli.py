@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 
@@ -48,7 +47,9 @@ def cmd_generate(args) -> int:
         print(report)
         return 0 if ok else 1
     r = generate.write(out)
-    print(f"generate: {r['variants']} variants, {r['written']} files written, {r['removed']} removed, {r['seconds']:.2f}s -> {r['out']}")
+    print(
+        f"generate: {r['variants']} variants, {r['written']} files written, {r['removed']} removed, {r['seconds']:.2f}s -> {r['out']}"
+    )
     return 0
 
 
@@ -75,10 +76,14 @@ def cmd_build(args) -> int:
     configs = [LaunchConfig.from_key(k) for k in args.config.split(",")] if args.config else None
     cache = _cache(args)
     print(f"build: {len(variants)} variants -> {cache.root}")
-    r = build.run(cache, jobs=args.jobs, targets=targets, variants=variants, configs=configs, verbose=args.verbose)
+    r = build.run(
+        cache, jobs=args.jobs, targets=targets, variants=variants, configs=configs, verbose=args.verbose
+    )
     print()
     print(build.summary_table(r["entries"]))
-    print(f"\nbuild: {len(r['entries'])} kernels ready in {r['wall_seconds']:.1f}s wall ({r['jobs']} jobs); graph {r['graph']}")
+    print(
+        f"\nbuild: {len(r['entries'])} kernels ready in {r['wall_seconds']:.1f}s wall ({r['jobs']} jobs); graph {r['graph']}"
+    )
     if args.report:
         build.write_report(r["entries"], Path(args.report))
     return 0
@@ -110,27 +115,45 @@ def cmd_bench(args) -> int:
         r = bench.run_shape(shape, baselines=not args.no_baselines, replays=args.replays)
         results.append(r)
         if args.json:  # written after every shape: a run cut short keeps what it measured
-            bench.save(results, args.json, {"partial": True, "command": "python -m attn_prologue bench " + " ".join(args.argv)})
-        print(f"[{i + 1}/{len(shapes)}] {shape.label}: {r.op['median_us']:.2f} us, {r.gbs:.0f} GB/s, {r.copy['median_us'] / r.op['median_us']:.1%} of copy", flush=True)
+            bench.save(
+                results,
+                args.json,
+                {"partial": True, "command": "python -m attn_prologue bench " + " ".join(args.argv)},
+            )
+        print(
+            f"[{i + 1}/{len(shapes)}] {shape.label}: {r.op['median_us']:.2f} us, {r.gbs:.0f} GB/s, {r.copy['median_us'] / r.op['median_us']:.1%} of copy",
+            flush=True,
+        )
     print()
     print(bench.print_table(results))
     host_end = bench.host_overhead_us(bench.Shape(n=1))
     for label, h in (("fresh process", host), ("after the shapes", host_end)):
-        print(f"\nhost overhead per eager call (T=1, whole Python path, {label}): bound op {h['bound_op_us']:.2f} us; "
-              f"one-call function {h['median_us']:.2f} us; bare TVM-FFI call {h['bare_tvm_ffi_call_us']:.2f} us; "
-              f"through torch.ops {h['torch_ops_call_us']:.2f} us")
+        print(
+            f"\nhost overhead per eager call (T=1, whole Python path, {label}): bound op {h['bound_op_us']:.2f} us; "
+            f"one-call function {h['median_us']:.2f} us; bare TVM-FFI call {h['bare_tvm_ffi_call_us']:.2f} us; "
+            f"through torch.ops {h['torch_ops_call_us']:.2f} us"
+        )
     checked = []
     if not args.no_checked:
         for n in (2048, 8192):
             c = bench.checked_cost(bench.Shape(n=n), replays=args.replays)
             checked.append(c)
-            print(f"checked mode, {c['shape']}: {c['checked_us']:.2f} us vs {c['unchecked_us']:.2f} us unchecked "
-                  f"({c['cost']:+.1%}; unchecked run-to-run spread {c['unchecked_spread']:.1%})")
+            print(
+                f"checked mode, {c['shape']}: {c['checked_us']:.2f} us vs {c['unchecked_us']:.2f} us unchecked "
+                f"({c['cost']:+.1%}; unchecked run-to-run spread {c['unchecked_spread']:.1%})"
+            )
     meta = {
         "checked_mode": checked,
-        "device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(), "dsl": compiler.dsl_versions(),
-        "command": "python -m attn_prologue bench " + " ".join(args.argv), "host_overhead": host, "host_overhead_end": host_end, "l2_bytes": bench.l2_bytes(),
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "dsl": compiler.dsl_versions(),
+        "command": "python -m attn_prologue bench " + " ".join(args.argv),
+        "host_overhead": host,
+        "host_overhead_end": host_end,
+        "l2_bytes": bench.l2_bytes(),
     }
     if args.json:
         bench.save(results, args.json, meta)
@@ -164,13 +187,19 @@ def cmd_tune(args) -> int:
 
     device = torch.device("cuda", torch.cuda.current_device())
     arch, target = ops.device_target(device)
-    names = sorted(n for n, row in registry.VARIANTS.items() if row[6] == arch and row[7] == dispatch.default_conversions(arch))
+    names = sorted(
+        n
+        for n, row in registry.VARIANTS.items()
+        if row[6] == arch and row[7] == dispatch.default_conversions(arch)
+    )
     if args.variants:
         names = [n for n in names if any(n == w or n.startswith(w) for w in args.variants)]
     if not names:
         print(f"tune: no {arch} variant matches {args.variants}")
         return 1
-    buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else tuning.default_buckets(args.max_tokens)
+    buckets = (
+        [int(b) for b in args.buckets.split(",")] if args.buckets else tuning.default_buckets(args.max_tokens)
+    )
     if args.configs:
         configs = [LaunchConfig.from_key(k) for k in args.configs.split(",")]
     else:
@@ -179,8 +208,12 @@ def cmd_tune(args) -> int:
     if default not in configs:
         configs.append(default)  # the heuristic's choice is always a candidate
     configs = tune.prune(configs)
-    print(f"tune: {len(names)} variants x {len(configs)} configs x {len(buckets)} buckets on {torch.cuda.get_device_name()} ({target})")
-    sweep = tune.run(names, buckets, configs, h=args.heads, p=args.padded_heads, jobs=args.jobs, replays=args.replays)
+    print(
+        f"tune: {len(names)} variants x {len(configs)} configs x {len(buckets)} buckets on {torch.cuda.get_device_name()} ({target})"
+    )
+    sweep = tune.run(
+        names, buckets, configs, h=args.heads, p=args.padded_heads, jobs=args.jobs, replays=args.replays
+    )
     env = tuning.current_environment()
     new = tune.entries(sweep, names, buckets, env, args.heads, args.padded_heads)
     db_path = Path(args.db) if args.db else tuning.database_path()
@@ -190,21 +223,38 @@ def cmd_tune(args) -> int:
     print(f"\n{'variant':44} {'T':>6} {'best config':>16} {'us':>9} {'default us':>10} {'gain':>6}")
     for e in new:
         d = sweep.timings.get((e["variant"], e["bucket"], default.key), float("inf"))
-        print(f"{e['variant']:44} {e['bucket']:6d} {e['config']:>16} {e['us']:9.2f} {d:10.2f} {d / e['us']:5.2f}x")
+        print(
+            f"{e['variant']:44} {e['bucket']:6d} {e['config']:>16} {e['us']:9.2f} {d:10.2f} {d / e['us']:5.2f}x"
+        )
     for v, key, b, err in sweep.failures:
         print(f"FAILED {v} {key} T={b}: {err}")
     print(f"\ntune: {sweep.seconds:.1f}s, {len(new)} entries merged into {db_path}")
     if args.json:
         import json
 
-        rows = [{"variant": v, "bucket": b, "config": k, "us": us} for (v, b, k), us in sorted(sweep.timings.items())]
-        Path(args.json).write_text(json.dumps({"seconds": sweep.seconds, "env": env.as_dict(), "default": default.key,
-                                               "timings": rows, "failures": sweep.failures}, indent=1))
+        rows = [
+            {"variant": v, "bucket": b, "config": k, "us": us}
+            for (v, b, k), us in sorted(sweep.timings.items())
+        ]
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "seconds": sweep.seconds,
+                    "env": env.as_dict(),
+                    "default": default.key,
+                    "timings": rows,
+                    "failures": sweep.failures,
+                },
+                indent=1,
+            )
+        )
     if args.plot_dir:
         from . import plots
 
         for v in names:
-            plots.tune_plot(sweep, v, buckets, args.heads, args.padded_heads, Path(args.plot_dir) / f"tune_{v}.png")
+            plots.tune_plot(
+                sweep, v, buckets, args.heads, args.padded_heads, Path(args.plot_dir) / f"tune_{v}.png"
+            )
     return 0
 
 
@@ -212,11 +262,21 @@ def cmd_simulate(args) -> int:
     from . import simulate
 
     opts = simulate.SimOptions(
-        max_num_batched_tokens=args.max_num_batched_tokens, padded_heads=args.padded_heads, heads=args.heads,
-        layers=args.layers, block_size=args.block_size, micro_batches=args.micro_batches, kv_fraction=args.kv_fraction,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        padded_heads=args.padded_heads,
+        heads=args.heads,
+        layers=args.layers,
+        block_size=args.block_size,
+        micro_batches=args.micro_batches,
+        kv_fraction=args.kv_fraction,
         memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * 1e9),
-        seqs=args.seqs, prompt_len=args.prompt_len, decode_steps=args.decode_steps, needles=args.needles,
-        allocating=args.allocating, seed=args.seed, json_path=args.json,
+        seqs=args.seqs,
+        prompt_len=args.prompt_len,
+        decode_steps=args.decode_steps,
+        needles=args.needles,
+        allocating=args.allocating,
+        seed=args.seed,
+        json_path=args.json,
         command="python -m attn_prologue simulate " + " ".join(args.argv[1:]),
     )
     results = simulate.run(opts)
@@ -230,29 +290,44 @@ def main(argv=None) -> int:
     s = sub.add_parser("list", help="cache formats and their byte layouts (and the variant space)")
     s.add_argument("--head-dim", type=int, default=512, help="D used to show formats that take any D")
     s.add_argument("--variants", action="store_true", help="also list every generated variant")
-    s.add_argument("--why", action="store_true", help="with --variants: why the other combinations are not generated")
+    s.add_argument(
+        "--why", action="store_true", help="with --variants: why the other combinations are not generated"
+    )
     s.set_defaults(fn=cmd_list)
 
     s = sub.add_parser("generate", help="render every variant into generated/ (writes only what changed)")
-    s.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 with a diff if stale")
+    s.add_argument(
+        "--check", action="store_true", help="compare instead of writing; exit 1 with a diff if stale"
+    )
     s.add_argument("--out", help="output folder (default: the package's generated/)")
     s.set_defaults(fn=cmd_generate)
 
-    s = sub.add_parser("build", help="compile every variant for every target into the kernel cache (no GPU needed)")
-    s.add_argument("--cache-dir", help="kernel cache (default $ATTN_PROLOGUE_CACHE or ~/.cache/attn_prologue/kernels)")
+    s = sub.add_parser(
+        "build", help="compile every variant for every target into the kernel cache (no GPU needed)"
+    )
+    s.add_argument(
+        "--cache-dir", help="kernel cache (default $ATTN_PROLOGUE_CACHE or ~/.cache/attn_prologue/kernels)"
+    )
     s.add_argument("--jobs", "-j", type=int, help="parallel compile processes (default: CPU count)")
     s.add_argument("--targets", help="comma-separated subset of sm_90a,sm_100a,sm_120a,sm_121a")
     s.add_argument("--variants", nargs="*", help="variant names or name prefixes (default: all)")
-    s.add_argument("--config", help="comma-separated launch config keys, e.g. w4_u1_pdl1_nc1 (default: each arch's default + tuned ones)")
+    s.add_argument(
+        "--config",
+        help="comma-separated launch config keys, e.g. w4_u1_pdl1_nc1 (default: each arch's default + tuned ones)",
+    )
     s.add_argument("--report", help="write every entry's metadata as JSON here")
     s.add_argument("--verbose", "-v", action="store_true")
     s.set_defaults(fn=cmd_build)
 
-    s = sub.add_parser("bench", help="time the op against a copy of its bytes, torch eager and torch.compile (GPU)")
+    s = sub.add_parser(
+        "bench", help="time the op against a copy of its bytes, torch eager and torch.compile (GPU)"
+    )
     s.add_argument("--shapes", default="targets", choices=["targets", "indexer", "all", "quick", "baseline"])
     s.add_argument("--max-tokens", type=int)
     s.add_argument("--replays", type=int, default=30)
-    s.add_argument("--no-baselines", action="store_true", help="skip torch eager / torch.compile of the reference")
+    s.add_argument(
+        "--no-baselines", action="store_true", help="skip torch eager / torch.compile of the reference"
+    )
     s.add_argument("--no-checked", action="store_true", help="skip the checked-mode cost measurement")
     s.add_argument("--json", help="write results here")
     s.add_argument("--png", help="draw GB/s against token count here")
@@ -262,37 +337,72 @@ def main(argv=None) -> int:
     s.add_argument("json", help="a file written by `bench --json`")
     s.set_defaults(fn=cmd_targets)
 
-    s = sub.add_parser("tune", help="sweep launch configs per token-count bucket on this GPU; write the tuning database")
-    s.add_argument("--variants", nargs="*", help="variant names or prefixes (default: every variant of this GPU's arch)")
-    s.add_argument("--buckets", help="comma-separated token counts (default: powers of two up to --max-tokens)")
+    s = sub.add_parser(
+        "tune", help="sweep launch configs per token-count bucket on this GPU; write the tuning database"
+    )
+    s.add_argument(
+        "--variants", nargs="*", help="variant names or prefixes (default: every variant of this GPU's arch)"
+    )
+    s.add_argument(
+        "--buckets", help="comma-separated token counts (default: powers of two up to --max-tokens)"
+    )
     s.add_argument("--max-tokens", type=int, default=32768)
-    s.add_argument("--space", default="default", choices=["default", "full"], help="config space to enumerate")
+    s.add_argument(
+        "--space", default="default", choices=["default", "full"], help="config space to enumerate"
+    )
     s.add_argument("--configs", help="comma-separated config keys instead of a space")
     s.add_argument("--heads", type=int, default=64)
     s.add_argument("--padded-heads", type=int, default=64)
     s.add_argument("--jobs", type=int, help="compile processes")
     s.add_argument("--replays", type=int, default=15)
-    s.add_argument("--db", help="tuning database to merge into (default $ATTN_PROLOGUE_TUNING_DB or the shipped one)")
+    s.add_argument(
+        "--db", help="tuning database to merge into (default $ATTN_PROLOGUE_TUNING_DB or the shipped one)"
+    )
     s.add_argument("--plot-dir", help="write one PNG per variant: GB/s per config across buckets")
     s.add_argument("--json", help="write every timing here")
     s.set_defaults(fn=cmd_tune)
 
-    s = sub.add_parser("simulate", help="play a serving engine on one GPU: pool, KV cache, chunked prefill + decode, needle recall")
-    s.add_argument("--max-num-batched-tokens", type=int, default=32768, help="scheduler token budget per step (pool size)")
+    s = sub.add_parser(
+        "simulate",
+        help="play a serving engine on one GPU: pool, KV cache, chunked prefill + decode, needle recall",
+    )
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=32768,
+        help="scheduler token budget per step (pool size)",
+    )
     s.add_argument("--padded-heads", type=int, default=64, help="P: heads of the padded Q buffer")
     s.add_argument("--heads", type=int, default=16, help="H: live heads (64 / TP4)")
     s.add_argument("--layers", type=int, default=43)
     s.add_argument("--block-size", type=int, default=64, help="tokens per KV-cache block")
-    s.add_argument("--micro-batches", type=int, default=2, help="scratch buffers (steps alternate between them)")
-    s.add_argument("--kv-fraction", type=float, default=0.90, help="share of the free memory the KV cache takes")
-    s.add_argument("--memory-budget-gb", type=float, help="cap the memory the simulation may use (GB = 1e9 bytes; "
-                   "default: the whole GPU); enforced with torch.cuda.set_per_process_memory_fraction")
+    s.add_argument(
+        "--micro-batches", type=int, default=2, help="scratch buffers (steps alternate between them)"
+    )
+    s.add_argument(
+        "--kv-fraction", type=float, default=0.90, help="share of the free memory the KV cache takes"
+    )
+    s.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        help="cap the memory the simulation may use (GB = 1e9 bytes; "
+        "default: the whole GPU); enforced with torch.cuda.set_per_process_memory_fraction",
+    )
     s.add_argument("--seqs", type=int, default=8, help="concurrent sequences")
     s.add_argument("--prompt-len", type=int, default=30000, help="prompt tokens per sequence (+-5%%)")
     s.add_argument("--decode-steps", type=int, default=32)
-    s.add_argument("--needles", type=int, default=64, help="(sequence, position, layer) cache entries checked bit-exactly")
-    s.add_argument("--allocating", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run the schedule with the old allocating op (fresh [N, P, D] Q per call) under the same budget")
+    s.add_argument(
+        "--needles",
+        type=int,
+        default=64,
+        help="(sequence, position, layer) cache entries checked bit-exactly",
+    )
+    s.add_argument(
+        "--allocating",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the schedule with the old allocating op (fresh [N, P, D] Q per call) under the same budget",
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", help="write the results here")
     s.set_defaults(fn=cmd_simulate)

@@ -8,8 +8,6 @@ debugging a cache.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import numerics as nx
@@ -62,7 +60,7 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 def encode_tokens(
-    fmt: CacheFormat, x: torch.Tensor, kv_scale: Optional[torch.Tensor] = None
+    fmt: CacheFormat, x: torch.Tensor, kv_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rounded token values [M, D] float32 -> (data record bytes [M, data_bytes],
     scale record bytes [M, scale_bytes]) as uint8."""
@@ -101,7 +99,7 @@ def decode_tokens(
     data: torch.Tensor,
     scale: torch.Tensor,
     head_dim: int,
-    kv_scale: Optional[torch.Tensor] = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(data record bytes, scale record bytes) -> (values [M, D] float32, per-block scales [M, nb]).
 
@@ -173,7 +171,11 @@ def write_records(
     donor = torch.argmax(valid.to(torch.int32)).view(1)  # first valid row (0 when there is none)
     any_valid = valid.any()
     slots64 = slots.to(torch.int64)
-    target = torch.where(valid, slots64, torch.where(any_valid, slots64.index_select(0, donor).clamp_min(0), torch.zeros_like(slots64)))
+    target = torch.where(
+        valid,
+        slots64,
+        torch.where(any_valid, slots64.index_select(0, donor).clamp_min(0), torch.zeros_like(slots64)),
+    )
     block, dcols, scols = record_byte_index(fmt, head_dim, block_size, target)
     for cols, new in ((dcols, data), (scols, scale)):
         if cols.shape[1] == 0:
@@ -200,7 +202,7 @@ def decode_cache(
     head_dim: int,
     block_size: int,
     slots: torch.Tensor,
-    kv_scale: Optional[torch.Tensor] = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Values [M, D] and block scales of the tokens stored at slots: a cache debugging aid."""
     data, scale = read_records(k_cache, fmt, head_dim, block_size, slots)

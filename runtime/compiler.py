@@ -40,7 +40,9 @@ class CompileError(RuntimeError):
 def module_path(variant: str) -> Path:
     spec = importlib.util.find_spec(f"{KERNELS_PACKAGE}.{variant}")
     if spec is None or spec.origin is None:
-        raise KeyError(f"no generated module for variant {variant!r} (run `python -m attn_prologue generate`)")
+        raise KeyError(
+            f"no generated module for variant {variant!r} (run `python -m attn_prologue generate`)"
+        )
     return Path(spec.origin)
 
 
@@ -48,7 +50,7 @@ def kernel_lib_path() -> Path:
     return Path(__file__).with_name("kernel_lib.py")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source_hash(variant: str) -> str:
     """sha256 of everything the compiled code is made from: the module and the shared helpers."""
     h = hashlib.sha256()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, range_constexpr
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -36,13 +35,20 @@ def _copy(src: cute.Tensor, dst: cute.Tensor, n_vec: Int32):
 def _launch(src: cute.Tensor, dst: cute.Tensor, stream: cuda.CUstream):
     n_vec = src.shape[0] // 4
     per_cta = THREADS * UNROLL
-    _copy(src, dst, n_vec).launch(grid=[(n_vec + per_cta - 1) // per_cta, 1, 1], block=[THREADS, 1, 1], stream=stream)
+    _copy(src, dst, n_vec).launch(
+        grid=[(n_vec + per_cta - 1) // per_cta, 1, 1], block=[THREADS, 1, 1], stream=stream
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(target: str):
     n = cute.sym_int32(divisibility=4)
     fake = make_fake_compact_tensor(Int32, (n,), assumed_align=16)
     fake2 = make_fake_compact_tensor(Int32, (cute.sym_int32(divisibility=4),), assumed_align=16)
-    return cute.compile(_launch, fake, fake2, make_fake_stream(use_tvm_ffi_env_stream=True),
-                        options=f"--gpu-arch {target} --enable-tvm-ffi")
+    return cute.compile(
+        _launch,
+        fake,
+        fake2,
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=f"--gpu-arch {target} --enable-tvm-ffi",
+    )

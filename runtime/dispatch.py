@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
 
 from .errors import UnsupportedError
 from .generated import registry
@@ -42,7 +41,18 @@ def _tables():
     for name, row in registry.VARIANTS.items():
         info = VariantInfo(name, *row[:8], registry.SIGNATURES[row[8]])
         infos[name] = info
-        by_key[(info.arch, info.conversions, info.op, info.q_out, info.head_dim, info.rope_dim, info.cache_format, info.io_dtype)] = name
+        by_key[
+            (
+                info.arch,
+                info.conversions,
+                info.op,
+                info.q_out,
+                info.head_dim,
+                info.rope_dim,
+                info.cache_format,
+                info.io_dtype,
+            )
+        ] = name
     return infos, by_key
 
 
@@ -58,7 +68,9 @@ def target_for_capability(major: int, minor: int) -> tuple[str, str]:
         return CAPABILITY_TARGETS[(major, minor)]
     except KeyError:
         known = ", ".join(f"{a}.{b} ({t})" for (a, b), (_, t) in sorted(CAPABILITY_TARGETS.items()))
-        raise UnsupportedError(f"no kernels for compute capability {major}.{minor}; supported: {known}") from None
+        raise UnsupportedError(
+            f"no kernels for compute capability {major}.{minor}; supported: {known}"
+        ) from None
 
 
 def default_conversions(arch: str) -> str:
@@ -74,7 +86,7 @@ def select_variant(
     cache_format: str,
     io_dtype: str,
     q_out: str = "io",
-    conversions: Optional[str] = None,
+    conversions: str | None = None,
 ) -> str:
     """The variant name for a request, or an UnsupportedError naming the alternatives."""
     conversions = conversions or default_conversions(arch)
@@ -85,7 +97,25 @@ def select_variant(
         name = by_key.get((arch, "native") + key[2:])
     if name is not None:
         return name
-    raise UnsupportedError(_explain_miss(dict(zip(("arch", "conversions", "op", "q_out", "head_dim", "rope_dim", "cache_format", "io_dtype"), key))))
+    raise UnsupportedError(
+        _explain_miss(
+            dict(
+                zip(
+                    (
+                        "arch",
+                        "conversions",
+                        "op",
+                        "q_out",
+                        "head_dim",
+                        "rope_dim",
+                        "cache_format",
+                        "io_dtype",
+                    ),
+                    key,
+                )
+            )
+        )
+    )
 
 
 def _explain_miss(req: dict) -> str:
@@ -104,11 +134,15 @@ def _explain_miss(req: dict) -> str:
 def require_shape(head_dim: int, rope_dim: int, cache_format: str) -> None:
     """UnsupportedError unless some generated variant has these head/rope dims and format."""
     infos = _tables()[0].values()
-    if any(i.head_dim == head_dim and i.rope_dim == rope_dim and i.cache_format == cache_format for i in infos):
+    if any(
+        i.head_dim == head_dim and i.rope_dim == rope_dim and i.cache_format == cache_format for i in infos
+    ):
         return
     dims = sorted({(i.head_dim, i.rope_dim) for i in infos if i.cache_format == cache_format})
-    raise UnsupportedError(f"no kernel variant for head_dim={head_dim}, rope_dim={rope_dim} with {cache_format}; "
-                           f"generated (D, R): {dims}")
+    raise UnsupportedError(
+        f"no kernel variant for head_dim={head_dim}, rope_dim={rope_dim} with {cache_format}; "
+        f"generated (D, R): {dims}"
+    )
 
 
 def default_config(arch: str) -> LaunchConfig:

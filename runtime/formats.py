@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
 
 
 class ElementCode(enum.Enum):
@@ -34,8 +33,8 @@ class CacheFormat:
     """A cache format as data. `head_dim`/`rope_dim` of None means "any D" (full-cache rows)."""
 
     name: str
-    head_dim: Optional[int]
-    rope_dim: Optional[int]
+    head_dim: int | None
+    rope_dim: int | None
     element: ElementCode
     scale: ScaleCode
     quant_block: int  # elements per scale (0: no per-block scale)
@@ -43,7 +42,7 @@ class CacheFormat:
     amax_floor: float  # lower bound of a block's amax before the exponent is taken
     fp_max: float  # largest finite magnitude of the element code (448 for e4m3, 6 for e2m1)
     scale_pad_bytes: int  # trailing pad bytes of a scale record, written as 0
-    exponent_clamp: Optional[tuple[int, int]]  # clamp of e itself (mxfp4) before the byte is made
+    exponent_clamp: tuple[int, int] | None  # clamp of e itself (mxfp4) before the byte is made
     divide_by_fp_max: bool  # True: e = ceil(log2(amax / fp_max)); False: amax * fl(1 / fp_max)
     summary: str
 

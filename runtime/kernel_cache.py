@@ -16,9 +16,9 @@ import shutil
 import threading
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 from filelock import FileLock
 
@@ -51,7 +51,7 @@ class KernelKey:
 
 
 class KernelCache:
-    def __init__(self, root: Optional[Path] = None):
+    def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
         self._loaded: dict[KernelKey, Callable] = {}
         self._lock = threading.Lock()
@@ -65,7 +65,7 @@ class KernelCache:
     def meta_path(self, key: KernelKey) -> Path:
         return self.entry_dir(key) / "meta.json"
 
-    def read_meta(self, key: KernelKey) -> Optional[dict]:
+    def read_meta(self, key: KernelKey) -> dict | None:
         """The entry's metadata if the entry is complete and intact, else None."""
         d = self.entry_dir(key)
         try:
@@ -99,7 +99,9 @@ class KernelCache:
             if meta is not None:
                 return meta
             if d.exists() and any(d.iterdir()):  # (ninja creates empty output folders)
-                warnings.warn(f"kernel cache entry {d} is incomplete or corrupted; rebuilding it", CorruptEntryWarning)
+                warnings.warn(
+                    f"kernel cache entry {d} is incomplete or corrupted; rebuilding it", CorruptEntryWarning
+                )
             tmp = d.parent / f".tmp-{d.name}-{uuid.uuid4().hex[:8]}"
             try:
                 meta = compiler.compile_entry(key.variant, key.config, key.target, tmp)
@@ -126,7 +128,9 @@ class KernelCache:
             meta = self.read_meta(key)
             if meta is None:
                 if not compile_if_missing:
-                    raise FileNotFoundError(f"kernel {key.variant} [{key.config.key}] for {key.target} is not built")
+                    raise FileNotFoundError(
+                        f"kernel {key.variant} [{key.config.key}] for {key.target} is not built"
+                    )
                 self.ensure_built(key)
             else:
                 self.disk_loads += 1

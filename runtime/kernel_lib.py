@@ -42,8 +42,12 @@ def load_atom(dtype, bits: int, non_coherent: bool, streaming: bool = False):
     """A 128/64/32-bit global load; `non_coherent` takes the read-only path (ld.global.nc),
     `streaming` marks data read once (ld.global.cs; the DSL allows no cache hint on .nc loads)."""
     if streaming:
-        return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits,
-                                   load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
+        return cute.make_copy_atom(
+            cute.nvgpu.CopyG2ROp(),
+            dtype,
+            num_bits_per_copy=bits,
+            load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING,
+        )
     if non_coherent:
         return cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits, invariant=True)
     return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
@@ -51,19 +55,32 @@ def load_atom(dtype, bits: int, non_coherent: bool, streaming: bool = False):
 
 def store_atom(dtype, bits: int, streaming: bool = False):
     if streaming:  # st.global.cs: written once, not read back by this kernel
-        return cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=bits,
-                                   store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
+        return cute.make_copy_atom(
+            cute.nvgpu.CopyR2GOp(),
+            dtype,
+            num_bits_per_copy=bits,
+            store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING,
+        )
     return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
 
 
-def load_vector_into(frag: cute.Tensor, base_addr: Int64, byte_offset: Int64, dtype, non_coherent: bool, streaming: bool = False):
+def load_vector_into(
+    frag: cute.Tensor,
+    base_addr: Int64,
+    byte_offset: Int64,
+    dtype,
+    non_coherent: bool,
+    streaming: bool = False,
+):
     """Copy one 128-bit vector from global memory into the register fragment `frag`."""
     n = cute.size(frag)
     src = gmem_vector(base_addr, byte_offset, dtype, n, 16)
     cute.copy(load_atom(dtype, 128, non_coherent, streaming), src, frag)
 
 
-def store_vector(frag: cute.Tensor, base_addr: Int64, byte_offset: Int64, dtype, align: int, streaming: bool = False):
+def store_vector(
+    frag: cute.Tensor, base_addr: Int64, byte_offset: Int64, dtype, align: int, streaming: bool = False
+):
     """Copy a register fragment to global memory in one access of size(frag) * width bits."""
     n = cute.size(frag)
     dst = gmem_vector(base_addr, byte_offset, dtype, n, align)
@@ -145,7 +162,15 @@ def rope_rotate(frag: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor):
         frag[2 * i + 1] = cute.math.fma(e, s, o * c)
 
 
-def load_cos_sin_into(cos: cute.Tensor, sin: cute.Tensor, cs_addr: Int64, position: Int64, pair: Int32, rope_dim: int, non_coherent: bool):
+def load_cos_sin_into(
+    cos: cute.Tensor,
+    sin: cute.Tensor,
+    cs_addr: Int64,
+    position: Int64,
+    pair: Int32,
+    rope_dim: int,
+    non_coherent: bool,
+):
     """cos and sin of pairs [pair, pair + 4) at `position` (two 128-bit loads of float32)."""
     row = position * Int64(rope_dim * 4)
     load_vector_into(cos, cs_addr, row + Int64(pair) * 4, Float32, non_coherent)

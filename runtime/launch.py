@@ -52,12 +52,20 @@ class LaunchConfig:
         return k
 
     @classmethod
-    def from_key(cls, key: str) -> "LaunchConfig":
+    def from_key(cls, key: str) -> LaunchConfig:
         m = re.fullmatch(r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?", key)
         if not m:
             raise ValueError(f"not a launch-config key: {key!r}")
-        return cls(int(m.group(1)), int(m.group(2)), bool(int(m.group(3))), bool(int(m.group(4))), int(m.group(5) or 0),
-                   bool(m.group(6)), bool(m.group(7)), int(m.group(8) or 0))
+        return cls(
+            int(m.group(1)),
+            int(m.group(2)),
+            bool(int(m.group(3))),
+            bool(int(m.group(4))),
+            int(m.group(5) or 0),
+            bool(m.group(6)),
+            bool(m.group(7)),
+            int(m.group(8) or 0),
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)

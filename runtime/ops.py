@@ -8,7 +8,6 @@ TVM-FFI function (torch tensors are passed as DLPack, on the current torch strea
 from __future__ import annotations
 
 import threading
-from typing import Optional
 
 import torch
 
@@ -21,7 +20,7 @@ from .launch import LaunchConfig
 IO_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 FP8 = torch.float8_e4m3fn
 
-_default_cache: Optional[KernelCache] = None
+_default_cache: KernelCache | None = None
 _errors_buffers: dict[int, torch.Tensor] = {}
 _state_lock = threading.Lock()
 
@@ -65,7 +64,7 @@ def device_target(device: torch.device) -> tuple[str, str]:
 class Kernel:
     """One compiled kernel bound to a target: `kernel(**arguments)` launches it."""
 
-    def __init__(self, variant: str, config: LaunchConfig, target: str, cache: Optional[KernelCache] = None):
+    def __init__(self, variant: str, config: LaunchConfig, target: str, cache: KernelCache | None = None):
         self.info = dispatch.variant_info(variant)
         self.config = config
         self.target = target
@@ -73,7 +72,11 @@ class Kernel:
         self.fn = (cache or default_cache()).load(self.key)
         self.signature = self.info.signature
         # persistent configs cap the grid at ctas_per_sm x SMs of the current device
-        self.max_ctas = config.ctas_per_sm * sm_count(torch.device("cuda", torch.cuda.current_device())) if config.ctas_per_sm else 0
+        self.max_ctas = (
+            config.ctas_per_sm * sm_count(torch.device("cuda", torch.cuda.current_device()))
+            if config.ctas_per_sm
+            else 0
+        )
 
     def __call__(self, **arguments) -> None:
         arguments.setdefault("max_ctas", self.max_ctas)
@@ -97,7 +100,9 @@ def _check_cuda(name: str, t: torch.Tensor, device: torch.device) -> None:
 
 def _check_aligned(name: str, t: torch.Tensor, align: int) -> None:
     if t.data_ptr() % align:
-        _fail(f"{name} data pointer must be {align}-byte aligned (got address % {align} = {t.data_ptr() % align})")
+        _fail(
+            f"{name} data pointer must be {align}-byte aligned (got address % {align} = {t.data_ptr() % align})"
+        )
 
 
 def _check_rows(name: str, t: torch.Tensor, ndim: int, head_dim: int, dtype) -> None:
@@ -134,16 +139,36 @@ def check_common(
     """Checks shared by every op; n_tokens is the row count positions must have."""
     fmt = get_format(cache_format)
     if not fmt.supports_head_dim(head_dim, rope_dim):
-        raise UnsupportedError(f"cache format {cache_format} stores D={fmt.head_dim}/R={fmt.rope_dim} records, not "
-                               f"D={head_dim}/R={rope_dim}")
+        raise UnsupportedError(
+            f"cache format {cache_format} stores D={fmt.head_dim}/R={fmt.rope_dim} records, not "
+            f"D={head_dim}/R={rope_dim}"
+        )
     dispatch.require_shape(head_dim, rope_dim, cache_format)
-    for name, t in (("kv", kv), ("k_cache", k_cache), ("slot_mapping", slot_mapping), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+    for name, t in (
+        ("kv", kv),
+        ("k_cache", k_cache),
+        ("slot_mapping", slot_mapping),
+        ("positions", positions),
+        ("cos_sin_cache", cos_sin_cache),
+    ):
         _check_cuda(name, t, device)
     _check_rows("kv", kv, 2, head_dim, io_dtype)
-    if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1 or (slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1):
-        _fail(f"slot_mapping must be a contiguous 1-D int64 tensor, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    if positions.dtype != torch.int64 or positions.dim() != 1 or (positions.numel() > 1 and positions.stride(0) != 1):
-        _fail(f"positions must be a contiguous 1-D int64 tensor, got {positions.dtype} {tuple(positions.shape)}")
+    if (
+        slot_mapping.dtype != torch.int64
+        or slot_mapping.dim() != 1
+        or (slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1)
+    ):
+        _fail(
+            f"slot_mapping must be a contiguous 1-D int64 tensor, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+    if (
+        positions.dtype != torch.int64
+        or positions.dim() != 1
+        or (positions.numel() > 1 and positions.stride(0) != 1)
+    ):
+        _fail(
+            f"positions must be a contiguous 1-D int64 tensor, got {positions.dtype} {tuple(positions.shape)}"
+        )
     if positions.shape[0] != n_tokens:
         _fail(f"positions has {positions.shape[0]} rows, expected {n_tokens} (one per token)")
     m = slot_mapping.shape[0]
@@ -152,16 +177,22 @@ def check_common(
     if m > n_tokens:
         _fail(f"slot_mapping has {m} rows, more than the {n_tokens} tokens")
     if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != rope_dim:
-        _fail(f"cos_sin_cache must be float32 [max_pos, {rope_dim}], got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
+        _fail(
+            f"cos_sin_cache must be float32 [max_pos, {rope_dim}], got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}"
+        )
     if not cos_sin_cache.is_contiguous():
         _fail("cos_sin_cache must be contiguous")
     _check_aligned("cos_sin_cache", cos_sin_cache, 16)
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         _fail(f"block_size must be a positive int, got {block_size!r}")
     if k_cache.dtype != torch.uint8 or k_cache.dim() != 2:
-        _fail(f"k_cache must be a 2-D uint8 view [num_blocks, block_bytes], got {k_cache.dtype} {tuple(k_cache.shape)}")
+        _fail(
+            f"k_cache must be a 2-D uint8 view [num_blocks, block_bytes], got {k_cache.dtype} {tuple(k_cache.shape)}"
+        )
     if k_cache.shape[0] > 0 and (k_cache.stride(1) != 1 or (k_cache.shape[0] > 1 and k_cache.stride(0) % 16)):
-        _fail(f"k_cache must have byte stride 1 and a block stride that is a multiple of 16, got strides {k_cache.stride()}")
+        _fail(
+            f"k_cache must have byte stride 1 and a block stride that is a multiple of 16, got strides {k_cache.stride()}"
+        )
     need = fmt.block_bytes(head_dim, block_size)
     if k_cache.shape[1] < need:
         _fail(
@@ -179,8 +210,14 @@ def check_common(
         _fail(f"cache format {cache_format} takes no kv_scale")
     if norm_weight is not None:
         _check_cuda("norm_weight", norm_weight, device)
-        if norm_weight.dtype != io_dtype or norm_weight.shape != (head_dim,) or not norm_weight.is_contiguous():
-            _fail(f"norm_weight must be a contiguous [{head_dim}] {io_dtype} tensor, got {norm_weight.dtype} {tuple(norm_weight.shape)}")
+        if (
+            norm_weight.dtype != io_dtype
+            or norm_weight.shape != (head_dim,)
+            or not norm_weight.is_contiguous()
+        ):
+            _fail(
+                f"norm_weight must be a contiguous [{head_dim}] {io_dtype} tensor, got {norm_weight.dtype} {tuple(norm_weight.shape)}"
+            )
         _check_aligned("norm_weight", norm_weight, 16)
 
 
@@ -190,7 +227,21 @@ def _check_scale(name: str, t, device) -> None:
         _fail(f"{name} must be a float32 tensor with one element, got {t.dtype} {tuple(t.shape)}")
 
 
-def check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, *, q_scale=None, kv_scale=None):
+def check_qkv(
+    q_in,
+    kv,
+    q_out,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    eps,
+    block_size,
+    cache_format,
+    *,
+    q_scale=None,
+    kv_scale=None,
+):
     """Validate a qnorm_rope_kv_insert call; returns (device, io dtype name, H, P)."""
     if not isinstance(q_in, torch.Tensor):
         _fail(f"q_in must be a torch.Tensor, got {type(q_in).__name__}")
@@ -201,7 +252,11 @@ def check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
     if q_in.dim() != 3:
         _fail(f"q_in must be [N, H, D], got shape {tuple(q_in.shape)}")
     n, h, d = q_in.shape
-    rope_dim = cos_sin_cache.shape[-1] if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dim() == 2 else -1
+    rope_dim = (
+        cos_sin_cache.shape[-1]
+        if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dim() == 2
+        else -1
+    )
     _check_rows("q_in", q_in, 3, d, q_in.dtype)
     _check_cuda("q_out", q_out, device)
     out_dtype = FP8 if q_scale is not None else q_in.dtype
@@ -215,27 +270,59 @@ def check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, 
     p = q_out.shape[1]
     if p < h:
         _fail(f"q_out has P={p} heads, fewer than the H={h} heads of q_in (need P >= H)")
-    if q_out.stride(2) != 1 or (p > 1 and q_out.stride(1) != d) or (q_out.shape[0] > 1 and q_out.stride(0) % 16):
+    if (
+        q_out.stride(2) != 1
+        or (p > 1 and q_out.stride(1) != d)
+        or (q_out.shape[0] > 1 and q_out.stride(0) % 16)
+    ):
         _fail(f"q_out must be [N', P, D] with rows contiguous (strides {q_out.stride()})")
     _check_aligned("q_out", q_out, 16)
-    if q_out.untyped_storage().data_ptr() == q_in.untyped_storage().data_ptr() and q_out.numel() and q_in.numel():
+    if (
+        q_out.untyped_storage().data_ptr() == q_in.untyped_storage().data_ptr()
+        and q_out.numel()
+        and q_in.numel()
+    ):
         if p != h or q_out.data_ptr() != q_in.data_ptr() or q_out.stride() != q_in.stride():
             _fail("q_out may alias q_in only when it is the same tensor (in place, P == H)")
     if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[0] != n:
-        _fail(f"kv must be [N, D] with one row per token: got {tuple(getattr(kv, 'shape', ()))} for {n} tokens of q_in")
+        _fail(
+            f"kv must be [N, D] with one row per token: got {tuple(getattr(kv, 'shape', ()))} for {n} tokens of q_in"
+        )
     if q_scale is not None:
         _check_scale("q_scale", q_scale, device)
     if not isinstance(eps, (float, int)) or not eps >= 0:
         _fail(f"eps must be a non-negative float, got {eps!r}")
     check_common(
-        kv=kv, k_cache=k_cache, slot_mapping=slot_mapping, positions=positions, cos_sin_cache=cos_sin_cache,
-        block_size=block_size, cache_format=cache_format, head_dim=d, rope_dim=rope_dim, io_dtype=q_in.dtype,
-        device=device, n_tokens=n, kv_scale=kv_scale,
+        kv=kv,
+        k_cache=k_cache,
+        slot_mapping=slot_mapping,
+        positions=positions,
+        cos_sin_cache=cos_sin_cache,
+        block_size=block_size,
+        cache_format=cache_format,
+        head_dim=d,
+        rope_dim=rope_dim,
+        io_dtype=q_in.dtype,
+        device=device,
+        n_tokens=n,
+        kv_scale=kv_scale,
     )
     return device, io, h, p
 
 
-def check_kv(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, *, norm_weight=None, eps=1e-6, kv_scale=None):
+def check_kv(
+    kv,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    block_size,
+    cache_format,
+    *,
+    norm_weight=None,
+    eps=1e-6,
+    kv_scale=None,
+):
     if not isinstance(kv, torch.Tensor):
         _fail(f"kv must be a torch.Tensor, got {type(kv).__name__}")
     io = IO_DTYPES.get(kv.dtype)
@@ -243,14 +330,28 @@ def check_kv(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, ca
         _fail(f"kv dtype must be bfloat16 or float16, got {kv.dtype}")
     if kv.dim() != 2:
         _fail(f"kv must be [M, D], got shape {tuple(kv.shape)}")
-    rope_dim = cos_sin_cache.shape[-1] if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dim() == 2 else -1
+    rope_dim = (
+        cos_sin_cache.shape[-1]
+        if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dim() == 2
+        else -1
+    )
     if not isinstance(eps, (float, int)) or not eps >= 0:
         _fail(f"eps must be a non-negative float, got {eps!r}")
     check_common(
-        kv=kv, k_cache=k_cache, slot_mapping=slot_mapping, positions=positions, cos_sin_cache=cos_sin_cache,
-        block_size=block_size, cache_format=cache_format, head_dim=kv.shape[1], rope_dim=rope_dim, io_dtype=kv.dtype,
-        device=kv.device, n_tokens=positions.shape[0] if isinstance(positions, torch.Tensor) and positions.dim() == 1 else -1,
-        kv_scale=kv_scale, norm_weight=norm_weight,
+        kv=kv,
+        k_cache=k_cache,
+        slot_mapping=slot_mapping,
+        positions=positions,
+        cos_sin_cache=cos_sin_cache,
+        block_size=block_size,
+        cache_format=cache_format,
+        head_dim=kv.shape[1],
+        rope_dim=rope_dim,
+        io_dtype=kv.dtype,
+        device=kv.device,
+        n_tokens=positions.shape[0] if isinstance(positions, torch.Tensor) and positions.dim() == 1 else -1,
+        kv_scale=kv_scale,
+        norm_weight=norm_weight,
     )
     return kv.device, io
 
@@ -263,7 +364,7 @@ def check_kv(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, ca
 # (or the cheap checks) refuse a call, the full Python validation raises a typed InputError naming it.
 _bound: dict[tuple, Kernel] = {}
 MAX_BUCKET_LOG2 = 15  # token-count buckets 1, 2, 4, ... 32768 (larger counts use the last)
-_tuning_table: Optional[dict] = None
+_tuning_table: dict | None = None
 
 
 def tuning_table() -> dict:
@@ -284,21 +385,43 @@ def tuning_table() -> dict:
     return _tuning_table
 
 
-def kernel_for(device: torch.device, *, op: str, q_out: str, head_dim: int, rope_dim: int, cache_format: str, io: str,
-               config: Optional[LaunchConfig] = None, conversions: Optional[str] = None, n_tokens: int = 1,
-               heads: Optional[int] = None, written_heads: Optional[int] = None) -> Kernel:
+def kernel_for(
+    device: torch.device,
+    *,
+    op: str,
+    q_out: str,
+    head_dim: int,
+    rope_dim: int,
+    cache_format: str,
+    io: str,
+    config: LaunchConfig | None = None,
+    conversions: str | None = None,
+    n_tokens: int = 1,
+    heads: int | None = None,
+    written_heads: int | None = None,
+) -> Kernel:
     """The kernel for a request: the variant from the dispatcher, the config from (in order) the
     caller, the tuning database entry of the token-count bucket (tuned at these Q heads and heads
     written, or the nearest), the arch's default."""
     from .tuning import bucket_of, heuristic_config, pick
 
     arch, target = device_target(device)
-    name = dispatch.select_variant(arch=arch, op=op, head_dim=head_dim, rope_dim=rope_dim, cache_format=cache_format,
-                                   io_dtype=io, q_out=q_out, conversions=conversions)
+    name = dispatch.select_variant(
+        arch=arch,
+        op=op,
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+        cache_format=cache_format,
+        io_dtype=io,
+        q_out=q_out,
+        conversions=conversions,
+    )
     name = selftest.resolve(device, name, dispatch.default_config(arch), target)  # first use on this machine
     if config is None:
         bucket = min(bucket_of(n_tokens), 1 << MAX_BUCKET_LOG2)
-        config = pick(tuning_table().get((name, bucket)), heads, written_heads) or heuristic_config(arch, bucket, dispatch.default_config(arch))
+        config = pick(tuning_table().get((name, bucket)), heads, written_heads) or heuristic_config(
+            arch, bucket, dispatch.default_config(arch)
+        )
     key = (device, name, config)
     k = _bound.get(key)
     if k is None:
@@ -309,7 +432,10 @@ def kernel_for(device: torch.device, *, op: str, q_out: str, head_dim: int, rope
 
 def kernels_by_bucket(device, **request) -> list:
     """(kernel function, max_ctas) for every token-count bucket (index = ceil(log2(n)))."""
-    return [(k.fn, k.max_ctas) for k in (kernel_for(device, n_tokens=1 << i, **request) for i in range(MAX_BUCKET_LOG2 + 1))]
+    return [
+        (k.fn, k.max_ctas)
+        for k in (kernel_for(device, n_tokens=1 << i, **request) for i in range(MAX_BUCKET_LOG2 + 1))
+    ]
 
 
 _fast_qkv: dict[tuple, tuple] = {}
@@ -317,39 +443,93 @@ _fast_qkv: dict[tuple, tuple] = {}
 
 def _bind_qkv(q_in, cos_sin_cache, cache_format, fp8_out, config, conversions, written_heads=None):
     device = q_in.device
-    fns = kernels_by_bucket(device, heads=q_in.shape[1], written_heads=written_heads, op="qkv",
-                            q_out="fp8" if fp8_out else "io", head_dim=q_in.shape[2],
-                            rope_dim=cos_sin_cache.shape[1], cache_format=cache_format, io=IO_DTYPES[q_in.dtype],
-                            config=config, conversions=conversions)
+    fns = kernels_by_bucket(
+        device,
+        heads=q_in.shape[1],
+        written_heads=written_heads,
+        op="qkv",
+        q_out="fp8" if fp8_out else "io",
+        head_dim=q_in.shape[2],
+        rope_dim=cos_sin_cache.shape[1],
+        cache_format=cache_format,
+        io=IO_DTYPES[q_in.dtype],
+        config=config,
+        conversions=conversions,
+    )
     fmt = get_format(cache_format)
     return fns, errors_buffer(device), fmt.bytes_per_token(q_in.shape[2]), fmt.needs_tensor_scale
 
 
 def qnorm_rope_kv_insert(
-    q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format="fp8_ds_mla",
-    *, kv_scale=None, q_scale=None, write_pad_heads=True, checked=False, config=None, conversions=None,
+    q_in,
+    kv,
+    q_out,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    eps,
+    block_size,
+    cache_format="fp8_ds_mla",
+    *,
+    kv_scale=None,
+    q_scale=None,
+    write_pad_heads=True,
+    checked=False,
+    config=None,
+    conversions=None,
 ) -> None:
     """Validate, pick the variant for this device and launch it (CUDA tensors)."""
     try:
         n, h, d = q_in.shape
         n_out, p, _ = q_out.shape
         nwh = p if write_pad_heads else h
-        key = (q_in.get_device(), q_in.dtype, cache_format, d, h, nwh, cos_sin_cache.shape[1], q_scale is not None, config, conversions)
+        key = (
+            q_in.get_device(),
+            q_in.dtype,
+            cache_format,
+            d,
+            h,
+            nwh,
+            cos_sin_cache.shape[1],
+            q_scale is not None,
+            config,
+            conversions,
+        )
         fns, errors, bpt, needs_scale = _fast_qkv[key]
         ok = (
-            slot_mapping.shape[0] <= n and n_out >= n and p >= h and block_size > 0
-            and k_cache.shape[1] >= block_size * bpt and eps >= 0
+            slot_mapping.shape[0] <= n
+            and n_out >= n
+            and p >= h
+            and block_size > 0
+            and k_cache.shape[1] >= block_size * bpt
+            and eps >= 0
             and k_cache.dtype is torch.uint8  # the compiled function accepts an int8 cache (same width)
-            and (kv_scale is not None) == needs_scale and (p == h or q_out.data_ptr() != q_in.data_ptr())
+            and (kv_scale is not None) == needs_scale
+            and (p == h or q_out.data_ptr() != q_in.data_ptr())
         )
     except (KeyError, AttributeError, TypeError, ValueError, IndexError):
         ok = False
     if not ok:
-        check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
-                  q_scale=q_scale, kv_scale=kv_scale)
+        check_qkv(
+            q_in,
+            kv,
+            q_out,
+            k_cache,
+            slot_mapping,
+            positions,
+            cos_sin_cache,
+            eps,
+            block_size,
+            cache_format,
+            q_scale=q_scale,
+            kv_scale=kv_scale,
+        )
         # valid input: the try block computed the key; only the kernels for it were missing
         if key not in _fast_qkv:
-            _fast_qkv[key] = _bind_qkv(q_in, cos_sin_cache, cache_format, q_scale is not None, config, conversions, nwh)
+            _fast_qkv[key] = _bind_qkv(
+                q_in, cos_sin_cache, cache_format, q_scale is not None, config, conversions, nwh
+            )
         fns, errors, bpt, needs_scale = _fast_qkv[key]
     if n == 0:
         return
@@ -358,33 +538,144 @@ def qnorm_rope_kv_insert(
     try:
         if kv_scale is None:
             if q_scale is None:
-                fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, nwh, 1 if checked else 0, max_ctas)
+                fn(
+                    q_in,
+                    kv,
+                    out,
+                    k_cache,
+                    slot_mapping,
+                    positions,
+                    cos_sin_cache,
+                    errors,
+                    eps,
+                    block_size,
+                    nwh,
+                    1 if checked else 0,
+                    max_ctas,
+                )
             else:
-                fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, nwh, 1 if checked else 0, max_ctas)
+                fn(
+                    q_in,
+                    kv,
+                    out,
+                    k_cache,
+                    slot_mapping,
+                    positions,
+                    cos_sin_cache,
+                    q_scale,
+                    errors,
+                    eps,
+                    block_size,
+                    nwh,
+                    1 if checked else 0,
+                    max_ctas,
+                )
         elif q_scale is None:
-            fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, errors, eps, block_size, nwh, 1 if checked else 0, max_ctas)
+            fn(
+                q_in,
+                kv,
+                out,
+                k_cache,
+                slot_mapping,
+                positions,
+                cos_sin_cache,
+                kv_scale,
+                errors,
+                eps,
+                block_size,
+                nwh,
+                1 if checked else 0,
+                max_ctas,
+            )
         else:
-            fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale, errors, eps, block_size, nwh, 1 if checked else 0, max_ctas)
+            fn(
+                q_in,
+                kv,
+                out,
+                k_cache,
+                slot_mapping,
+                positions,
+                cos_sin_cache,
+                kv_scale,
+                q_scale,
+                errors,
+                eps,
+                block_size,
+                nwh,
+                1 if checked else 0,
+                max_ctas,
+            )
     except Exception as exc:  # TVM-FFI refused an argument before launching: say precisely which
-        check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
-                  q_scale=q_scale, kv_scale=kv_scale)
+        check_qkv(
+            q_in,
+            kv,
+            q_out,
+            k_cache,
+            slot_mapping,
+            positions,
+            cos_sin_cache,
+            eps,
+            block_size,
+            cache_format,
+            q_scale=q_scale,
+            kv_scale=kv_scale,
+        )
         raise InputError(f"kernel argument check failed: {exc}") from exc
 
 
 def kv_rope_insert(
-    kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format="fp8_ds_mla",
-    *, norm_weight=None, eps=1e-6, kv_scale=None, checked=False, config=None, conversions=None,
+    kv,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    block_size,
+    cache_format="fp8_ds_mla",
+    *,
+    norm_weight=None,
+    eps=1e-6,
+    kv_scale=None,
+    checked=False,
+    config=None,
+    conversions=None,
 ) -> None:
-    device, io = check_kv(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format,
-                          norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
+    device, io = check_kv(
+        kv,
+        k_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        block_size,
+        cache_format,
+        norm_weight=norm_weight,
+        eps=eps,
+        kv_scale=kv_scale,
+    )
     if slot_mapping.shape[0] == 0:
         return
     op = "kv_norm" if norm_weight is not None else "kv"
-    k = kernel_for(device, op=op, q_out="io", head_dim=kv.shape[1], rope_dim=cos_sin_cache.shape[1],
-                   cache_format=cache_format, io=io, config=config, conversions=conversions,
-                   n_tokens=slot_mapping.shape[0])
+    k = kernel_for(
+        device,
+        op=op,
+        q_out="io",
+        head_dim=kv.shape[1],
+        rope_dim=cos_sin_cache.shape[1],
+        cache_format=cache_format,
+        io=io,
+        config=config,
+        conversions=conversions,
+        n_tokens=slot_mapping.shape[0],
+    )
     k(
-        kv=kv, norm_weight=norm_weight, k_cache=k_cache, slot_mapping=slot_mapping, positions=positions,
-        cos_sin_cache=cos_sin_cache, kv_scale=kv_scale, errors=errors_buffer(device), eps=float(eps),
-        block_size=block_size, checked=int(bool(checked)),
+        kv=kv,
+        norm_weight=norm_weight,
+        k_cache=k_cache,
+        slot_mapping=slot_mapping,
+        positions=positions,
+        cos_sin_cache=cos_sin_cache,
+        kv_scale=kv_scale,
+        errors=errors_buffer(device),
+        eps=float(eps),
+        block_size=block_size,
+        checked=int(bool(checked)),
     )

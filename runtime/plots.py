@@ -21,7 +21,9 @@ def bench_plot(results, path: str, meta: dict) -> None:
     series = collections.defaultdict(list)
     for r in results:
         s = r.shape
-        key = f"{s['cache_format']} D={s['head_dim']} H={s['h']} P={s['p']}" + (" zero-once" if s["zero_once"] else "")
+        key = f"{s['cache_format']} D={s['head_dim']} H={s['h']} P={s['p']}" + (
+            " zero-once" if s["zero_once"] else ""
+        )
         series[key].append((s["n"], r.gbs, r.copy_gbs))
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for i, (key, pts) in enumerate(sorted(series.items())):

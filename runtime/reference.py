@@ -13,8 +13,6 @@ under torch.compile(fullgraph=True). Two operation orders:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import codecs
@@ -130,7 +128,7 @@ def kv_values(
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     *,
-    norm_weight: Optional[torch.Tensor] = None,
+    norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     order: str = "kernel",
 ) -> torch.Tensor:
@@ -151,7 +149,7 @@ def insert_kv(
     values: torch.Tensor,
     slot_mapping: torch.Tensor,
     block_size: int,
-    kv_scale: Optional[torch.Tensor] = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     data, scale = codecs.encode_tokens(fmt, values, kv_scale)
     codecs.write_records(k_cache, fmt, values.shape[1], block_size, slot_mapping, data, scale)
@@ -170,8 +168,8 @@ def qnorm_rope_kv_insert(
     block_size: int,
     cache_format: str = "fp8_ds_mla",
     *,
-    kv_scale: Optional[torch.Tensor] = None,
-    q_scale: Optional[torch.Tensor] = None,
+    kv_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
     apply_q_norm: bool = True,
     write_pad_heads: bool = True,
     order: str = "kernel",
@@ -196,9 +194,9 @@ def kv_rope_insert(
     block_size: int,
     cache_format: str = "fp8_ds_mla",
     *,
-    norm_weight: Optional[torch.Tensor] = None,
+    norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
-    kv_scale: Optional[torch.Tensor] = None,
+    kv_scale: torch.Tensor | None = None,
     order: str = "kernel",
 ) -> None:
     """KV-only relatives: RoPE (after an optional weighted RMSNorm) and insert."""

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
 from .errors import ScratchError
 
 # data_ptr of every zero-once buffer -> the live head count kernels write into it (None: unbound)
-_ZERO_ONCE: dict[int, Optional[int]] = {}
+_ZERO_ONCE: dict[int, int | None] = {}
 
 
-def zero_once_heads(q_out: torch.Tensor) -> Optional[int]:
+def zero_once_heads(q_out: torch.Tensor) -> int | None:
     """Live-head count of the pool buffer q_out starts at (a pool view), else None."""
     return _ZERO_ONCE.get(q_out.data_ptr())
 
@@ -29,7 +28,7 @@ def zero_once_heads(q_out: torch.Tensor) -> Optional[int]:
 @dataclass
 class _Buffer:
     tensor: torch.Tensor
-    live_heads: Optional[int] = None
+    live_heads: int | None = None
     views: dict = field(default_factory=dict)
 
 
@@ -49,7 +48,9 @@ class ScratchPool:
 
     @staticmethod
     def _key(device, micro_batch: int, dtype: torch.dtype, padded_heads: int, head_dim: int) -> tuple:
-        device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        device = (
+            torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        )
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return (device, micro_batch, dtype, padded_heads, head_dim)
@@ -66,8 +67,10 @@ class ScratchPool:
     ) -> int:
         """Allocate (zeroed) buffers for `micro_batches` micro-batches; returns the bytes added."""
         if max_tokens <= 0 or padded_heads <= 0 or head_dim <= 0 or micro_batches <= 0:
-            raise ScratchError(f"reserve needs positive sizes, got max_tokens={max_tokens}, padded_heads={padded_heads}, "
-                               f"head_dim={head_dim}, micro_batches={micro_batches}")
+            raise ScratchError(
+                f"reserve needs positive sizes, got max_tokens={max_tokens}, padded_heads={padded_heads}, "
+                f"head_dim={head_dim}, micro_batches={micro_batches}"
+            )
         added = 0
         with self._lock:
             if self._locked:
@@ -99,35 +102,61 @@ class ScratchPool:
         """From now on nothing is allocated: views of a size that does not fit raise ScratchError."""
         self._locked = True
 
-    def capacity(self, *, padded_heads: int, head_dim: int, dtype=torch.bfloat16, micro_batch: int = 0, device=None) -> int:
+    def capacity(
+        self, *, padded_heads: int, head_dim: int, dtype=torch.bfloat16, micro_batch: int = 0, device=None
+    ) -> int:
         buf = self._buffers.get(self._key(device, micro_batch, dtype, padded_heads, head_dim))
         return 0 if buf is None else buf.tensor.shape[0]
 
-    def buffer(self, *, padded_heads: int, head_dim: int, dtype=torch.bfloat16, micro_batch: int = 0, device=None) -> torch.Tensor:
+    def buffer(
+        self, *, padded_heads: int, head_dim: int, dtype=torch.bfloat16, micro_batch: int = 0, device=None
+    ) -> torch.Tensor:
         key = self._key(device, micro_batch, dtype, padded_heads, head_dim)
         buf = self._buffers.get(key)
         if buf is None:
-            have = ", ".join(f"(mb={k[1]}, {k[2]}, P={k[3]}, D={k[4]}, {k[0]})" for k in sorted(self._buffers, key=str)) or "none"
-            raise ScratchError(f"no scratch reserved for micro_batch={micro_batch}, dtype={dtype}, P={padded_heads}, "
-                               f"D={head_dim} on {key[0]}; reserved: {have}")
+            have = (
+                ", ".join(
+                    f"(mb={k[1]}, {k[2]}, P={k[3]}, D={k[4]}, {k[0]})" for k in sorted(self._buffers, key=str)
+                )
+                or "none"
+            )
+            raise ScratchError(
+                f"no scratch reserved for micro_batch={micro_batch}, dtype={dtype}, P={padded_heads}, "
+                f"D={head_dim} on {key[0]}; reserved: {have}"
+            )
         return buf.tensor
 
     def claim(self, live_heads: int, **key) -> torch.Tensor:
         """Bind a live-head count to a buffer (zero-once): every kernel writing it must use the same
         H, or heads [H, P) would keep another H's values instead of zeros."""
-        k = self._key(key.get("device"), key.get("micro_batch", 0), key.get("dtype", torch.bfloat16),
-                      key["padded_heads"], key["head_dim"])
+        k = self._key(
+            key.get("device"),
+            key.get("micro_batch", 0),
+            key.get("dtype", torch.bfloat16),
+            key["padded_heads"],
+            key["head_dim"],
+        )
         self.buffer(**key)
         buf = self._buffers[k]
         if buf.live_heads is not None and buf.live_heads != live_heads:
-            raise ScratchError(f"scratch buffer {k} already serves H={buf.live_heads} live heads; a zero-once buffer "
-                               f"cannot also serve H={live_heads} (reserve another P, or use write-zeros mode)")
+            raise ScratchError(
+                f"scratch buffer {k} already serves H={buf.live_heads} live heads; a zero-once buffer "
+                f"cannot also serve H={live_heads} (reserve another P, or use write-zeros mode)"
+            )
         buf.live_heads = live_heads
         _ZERO_ONCE[buf.tensor.data_ptr()] = live_heads
         return buf.tensor
 
-    def view(self, n_tokens: int, *, padded_heads: int, head_dim: int, dtype=torch.bfloat16, micro_batch: int = 0,
-             device=None) -> torch.Tensor:
+    def view(
+        self,
+        n_tokens: int,
+        *,
+        padded_heads: int,
+        head_dim: int,
+        dtype=torch.bfloat16,
+        micro_batch: int = 0,
+        device=None,
+    ) -> torch.Tensor:
         """q_out for n_tokens rows: a view of the reserved buffer (cached per size, no allocation)."""
         key = self._key(device, micro_batch, dtype, padded_heads, head_dim)
         buf = self._buffers.get(key)
@@ -138,8 +167,14 @@ class ScratchPool:
                     f"{n_tokens} tokens do not fit the locked scratch pool (capacity {cap} tokens for micro_batch="
                     f"{micro_batch}, {dtype}, P={padded_heads}, D={head_dim}); reserve max_num_batched_tokens at profile time"
                 )
-            self.reserve(max_tokens=n_tokens, padded_heads=padded_heads, head_dim=head_dim, dtype=dtype,
-                         micro_batches=micro_batch + 1, device=key[0])
+            self.reserve(
+                max_tokens=n_tokens,
+                padded_heads=padded_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                micro_batches=micro_batch + 1,
+                device=key[0],
+            )
             buf = self._buffers[key]
         v = buf.views.get(n_tokens)
         if v is None:

@@ -81,12 +81,21 @@ def resolve(device: torch.device, name: str, config, target: str) -> str:
             chosen = name
             if not ok:
                 fallback = dispatch.select_variant(
-                    arch=info.arch, op=info.op, head_dim=info.head_dim, rope_dim=info.rope_dim,
-                    cache_format=info.cache_format, io_dtype=info.io_dtype, q_out=info.q_out, conversions="portable")
+                    arch=info.arch,
+                    op=info.op,
+                    head_dim=info.head_dim,
+                    rope_dim=info.rope_dim,
+                    cache_format=info.cache_format,
+                    io_dtype=info.io_dtype,
+                    q_out=info.q_out,
+                    conversions="portable",
+                )
                 warnings.warn(
                     f"\n{'!' * 78}\nattn_prologue self-test FAILED for {name} on {env}: {detail}.\n"
                     f"Falling back to {fallback} (portable conversions). Please report this.\n{'!' * 78}",
-                    SelfTestWarning, stacklevel=3)
+                    SelfTestWarning,
+                    stacklevel=3,
+                )
                 chosen = fallback
             entry = {"ok": ok, "use": chosen, "detail": detail}
             record.setdefault(env, {})[name] = entry
@@ -114,7 +123,9 @@ def run(device: torch.device, name: str, config, target: str) -> tuple[bool, str
     pos = torch.randint(0, 64, (n,), generator=g, device=device)
     slots = torch.randperm(4 * bs, generator=g, device=device)[:n].contiguous()
     slots[3] = -1
-    cache = torch.randint(0, 256, (4, bs * fmt.bytes_per_token(d)), generator=g, device=device, dtype=torch.uint8)
+    cache = torch.randint(
+        0, 256, (4, bs * fmt.bytes_per_token(d)), generator=g, device=device, dtype=torch.uint8
+    )
     kv_scale = torch.tensor([0.02], device=device) if fmt.needs_tensor_scale else None
     q_scale = torch.tensor([0.05], device=device) if info.q_out == "fp8" else None
     weight = (torch.rand(d, generator=g, device=device) + 0.5).to(dt) if info.op == "kv_norm" else None
@@ -123,17 +134,53 @@ def run(device: torch.device, name: str, config, target: str) -> tuple[bool, str
     k = ops.Kernel(name, config, target)
     got_cache, got_q = cache.clone(), q_out.clone()
     want_cache, want_q = cache.clone(), q_out.clone()
-    args = dict(q_in=q_in, kv=kv, q_out=got_q, norm_weight=weight, k_cache=got_cache, slot_mapping=slots, positions=pos,
-                cos_sin_cache=cs, kv_scale=kv_scale, q_scale=q_scale, errors=ops.errors_buffer(device), eps=1e-6,
-                block_size=bs, n_write_heads=p, checked=0)
+    args = dict(
+        q_in=q_in,
+        kv=kv,
+        q_out=got_q,
+        norm_weight=weight,
+        k_cache=got_cache,
+        slot_mapping=slots,
+        positions=pos,
+        cos_sin_cache=cs,
+        kv_scale=kv_scale,
+        q_scale=q_scale,
+        errors=ops.errors_buffer(device),
+        eps=1e-6,
+        block_size=bs,
+        n_write_heads=p,
+        checked=0,
+    )
     k(**args)
     if info.op == "qkv":
         wq = want_q.view(torch.float8_e4m3fn) if q_scale is not None else want_q
-        reference.qnorm_rope_kv_insert(q_in, kv, wq, want_cache, slots, pos, cs, 1e-6, bs, info.cache_format,
-                                       kv_scale=kv_scale, q_scale=q_scale)
+        reference.qnorm_rope_kv_insert(
+            q_in,
+            kv,
+            wq,
+            want_cache,
+            slots,
+            pos,
+            cs,
+            1e-6,
+            bs,
+            info.cache_format,
+            kv_scale=kv_scale,
+            q_scale=q_scale,
+        )
     else:
-        reference.kv_rope_insert(kv, want_cache, slots, pos, cs, bs, info.cache_format, norm_weight=weight, eps=1e-6,
-                                 kv_scale=kv_scale)
+        reference.kv_rope_insert(
+            kv,
+            want_cache,
+            slots,
+            pos,
+            cs,
+            bs,
+            info.cache_format,
+            norm_weight=weight,
+            eps=1e-6,
+            kv_scale=kv_scale,
+        )
     torch.cuda.synchronize(device)
     if os.environ.get(ENV_FAULT):
         got_cache.view(-1)[got_cache.numel() // 2] ^= 0x10  # injected fault

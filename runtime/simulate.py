@@ -27,7 +27,6 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -53,7 +52,7 @@ class SimOptions:
     block_size: int = 64
     micro_batches: int = 2
     kv_fraction: float = 0.90
-    memory_budget_bytes: Optional[int] = None  # cap on what the simulation may use (None: the whole GPU)
+    memory_budget_bytes: int | None = None  # cap on what the simulation may use (None: the whole GPU)
     seqs: int = 8
     prompt_len: int = 30000
     prompt_jitter: float = 0.05  # prompt lengths are uniform in prompt_len * [1 - jitter, 1 + jitter]
@@ -62,10 +61,10 @@ class SimOptions:
     allocating: bool = True
     seed: int = 0
     eps: float = 1e-6
-    json_path: Optional[str] = None
-    command: Optional[str] = None
+    json_path: str | None = None
+    command: str | None = None
     progress: bool = True
-    device: Optional[str] = None  # default: the current CUDA device
+    device: str | None = None  # default: the current CUDA device
 
     @property
     def head_dim(self) -> int:
@@ -113,7 +112,9 @@ def build_schedule(prompt_lens: list[int], max_num_batched_tokens: int, decode_s
     if max_num_batched_tokens <= 0:
         raise SimulationError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
     if decode_steps > 0 and len(prompt_lens) > max_num_batched_tokens:
-        raise SimulationError(f"{len(prompt_lens)} sequences do not fit one decode step of {max_num_batched_tokens} tokens")
+        raise SimulationError(
+            f"{len(prompt_lens)} sequences do not fit one decode step of {max_num_batched_tokens} tokens"
+        )
     done = [0] * len(prompt_lens)
     steps = []
     while any(d < p for d, p in zip(done, prompt_lens)):
@@ -143,7 +144,7 @@ class BlockAllocator:
     With a seed the free list is shuffled, so a sequence's blocks are scattered over the cache (as
     in an engine that has been serving for a while)."""
 
-    def __init__(self, num_blocks: int, block_size: int, seed: Optional[int] = None):
+    def __init__(self, num_blocks: int, block_size: int, seed: int | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(num_blocks))
         if seed is not None:
@@ -160,8 +161,10 @@ class BlockAllocator:
         table = self.tables.setdefault(seq, [])
         need = blocks_for(num_tokens, self.block_size) - len(table)
         if need > len(self._free):
-            raise SimulationError(f"out of KV-cache blocks: sequence {seq} needs {need} more, {len(self._free)} free "
-                                  f"of {self.num_blocks}")
+            raise SimulationError(
+                f"out of KV-cache blocks: sequence {seq} needs {need} more, {len(self._free)} free "
+                f"of {self.num_blocks}"
+            )
         for _ in range(max(0, need)):
             table.append(self._free.pop())
 
@@ -172,7 +175,9 @@ class BlockAllocator:
         table = self.tables.get(seq, [])
         b = pos // self.block_size
         if pos < 0 or b >= len(table):
-            raise SimulationError(f"position {pos} of sequence {seq} has no block (table holds {len(table)} blocks)")
+            raise SimulationError(
+                f"position {pos} of sequence {seq} has no block (table holds {len(table)} blocks)"
+            )
         return table[b] * self.block_size + pos % self.block_size
 
     def free(self, seq: int) -> None:
@@ -202,8 +207,9 @@ class Needle:
     layer: int
 
 
-def select_needles(prompt_lens: list[int], decode_steps: int, layers: int, k: int, seed: int = 0,
-                   decode_share: float = 0.125) -> list[Needle]:
+def select_needles(
+    prompt_lens: list[int], decode_steps: int, layers: int, k: int, seed: int = 0, decode_share: float = 0.125
+) -> list[Needle]:
     """k distinct (sequence, position, layer) triples drawn uniformly over the whole schedule, picked
     before it runs. A `decode_share` of them (at least one when there are decode steps) comes from
     decode tokens, which uniform sampling would almost never hit."""
@@ -232,7 +238,9 @@ def select_needles(prompt_lens: list[int], decode_steps: int, layers: int, k: in
     return sorted(out)
 
 
-def locate_needles(schedule: list[Step], needles: list[Needle]) -> dict[int, dict[int, list[tuple[int, int]]]]:
+def locate_needles(
+    schedule: list[Step], needles: list[Needle]
+) -> dict[int, dict[int, list[tuple[int, int]]]]:
     """{step index: {layer: [(needle index, row in the step's token batch)]}}."""
     where = {}
     for i, nd in enumerate(needles):
@@ -257,7 +265,7 @@ def max_position(prompt_lens: list[int], decode_steps: int) -> int:
     return max(prompt_lens) + decode_steps
 
 
-def padded_q_bytes(opts: SimOptions, n_tokens: Optional[int] = None) -> int:
+def padded_q_bytes(opts: SimOptions, n_tokens: int | None = None) -> int:
     """Bytes of one [N, P, D] bf16 Q tensor (N = max_num_batched_tokens by default)."""
     n = opts.max_num_batched_tokens if n_tokens is None else n_tokens
     return n * opts.padded_heads * opts.head_dim * 2
@@ -271,10 +279,17 @@ def input_arena_bytes(opts: SimOptions) -> int:
     """Bytes of the model buffers the simulation allocates besides the pool and the KV cache: the
     q/kv input arena, slot and position ids, the cos/sin cache and the needle copies."""
     t, h, p, d = opts.max_num_batched_tokens, opts.heads, opts.padded_heads, opts.head_dim
-    max_pos = max_position(prompt_lengths(opts.seqs, opts.prompt_len, opts.prompt_jitter, opts.seed), opts.decode_steps)
+    max_pos = max_position(
+        prompt_lengths(opts.seqs, opts.prompt_len, opts.prompt_jitter, opts.seed), opts.decode_steps
+    )
     k = opts.needles
-    return (t * h * d * 2 + t * d * 2 + 2 * t * 8 + max_pos * opts.rope_dim * 4
-            + k * (h * d * 2 + d * 2 + p * d * 2))
+    return (
+        t * h * d * 2
+        + t * d * 2
+        + 2 * t * 8
+        + max_pos * opts.rope_dim * 4
+        + k * (h * d * 2 + d * 2 + p * d * 2)
+    )
 
 
 def allocating_failure_budget(opts: SimOptions, margin: float = 0.5) -> int:
@@ -310,7 +325,7 @@ class _Budget:
     """The memory budget: a cap on the caching allocator (set_per_process_memory_fraction), so a
     request beyond it is a real torch.cuda.OutOfMemoryError, and free memory as an engine sees it."""
 
-    def __init__(self, budget_bytes: Optional[int], device):
+    def __init__(self, budget_bytes: int | None, device):
         self.device = device
         self.limit = None
         if budget_bytes is not None:
@@ -347,7 +362,13 @@ class _Arena:
     """Fixed-size model buffers allocated before the pool is locked; steps use views of them."""
 
     def __init__(self, opts: SimOptions, max_pos: int, device):
-        t, h, p, d, r = opts.max_num_batched_tokens, opts.heads, opts.padded_heads, opts.head_dim, opts.rope_dim
+        t, h, p, d, r = (
+            opts.max_num_batched_tokens,
+            opts.heads,
+            opts.padded_heads,
+            opts.head_dim,
+            opts.rope_dim,
+        )
         bf16 = torch.bfloat16
         self.q = torch.empty((t, h, d), dtype=bf16, device=device)
         self.kv = torch.empty((t, d), dtype=bf16, device=device)
@@ -379,8 +400,11 @@ class _Progress:
             return
         self.last = now
         eta = el * (self.tokens - tokens_done) / max(1, tokens_done)
-        print(f"[{self.label}] step {k}/{self.steps} {step.kind:7s} N={step.num_tokens:6d}  tokens {tokens_done}/{self.tokens}"
-              f"  elapsed {_fmt_time(el)}  ETA {_fmt_time(eta)}", flush=True)
+        print(
+            f"[{self.label}] step {k}/{self.steps} {step.kind:7s} N={step.num_tokens:6d}  tokens {tokens_done}/{self.tokens}"
+            f"  elapsed {_fmt_time(el)}  ETA {_fmt_time(eta)}",
+            flush=True,
+        )
 
 
 def _size_kv(opts: SimOptions, budget: _Budget, needed_blocks: int, label: str) -> dict:
@@ -388,15 +412,25 @@ def _size_kv(opts: SimOptions, budget: _Budget, needed_blocks: int, label: str) 
     block_bytes = fmt.block_bytes(opts.head_dim, opts.block_size)
     free = budget.free_for_kv()
     num_blocks = int(opts.kv_fraction * free) // (opts.layers * block_bytes)
-    info = dict(free_bytes=free, num_blocks=num_blocks, block_bytes=block_bytes,
-                kv_bytes=num_blocks * block_bytes * opts.layers, capacity_tokens=num_blocks * opts.block_size)
+    info = dict(
+        free_bytes=free,
+        num_blocks=num_blocks,
+        block_bytes=block_bytes,
+        kv_bytes=num_blocks * block_bytes * opts.layers,
+        capacity_tokens=num_blocks * opts.block_size,
+    )
     if opts.progress:
-        print(f"[{label}] KV cache: {opts.kv_fraction:.2f} x {_gib(free)} free -> {num_blocks} blocks x "
-              f"{opts.block_size} = {info['capacity_tokens']} tokens per layer, {opts.layers} layers, "
-              f"{_gib(info['kv_bytes'])} ({needed_blocks} blocks needed by the schedule)", flush=True)
+        print(
+            f"[{label}] KV cache: {opts.kv_fraction:.2f} x {_gib(free)} free -> {num_blocks} blocks x "
+            f"{opts.block_size} = {info['capacity_tokens']} tokens per layer, {opts.layers} layers, "
+            f"{_gib(info['kv_bytes'])} ({needed_blocks} blocks needed by the schedule)",
+            flush=True,
+        )
     if num_blocks < needed_blocks:
-        raise SimulationError(f"[{label}] the KV cache holds {num_blocks} blocks but the schedule needs {needed_blocks}: "
-                              f"lower --seqs/--prompt-len or raise --memory-budget-gb/--kv-fraction")
+        raise SimulationError(
+            f"[{label}] the KV cache holds {num_blocks} blocks but the schedule needs {needed_blocks}: "
+            f"lower --seqs/--prompt-len or raise --memory-budget-gb/--kv-fraction"
+        )
     return info
 
 
@@ -405,13 +439,17 @@ def _fill_inputs(q, kv, gen) -> None:
     kv.normal_(generator=gen)
 
 
-def _pool_pass(opts: SimOptions, schedule, needles, where, prompt_lens, max_pos, needed_blocks, device) -> dict:
+def _pool_pass(
+    opts: SimOptions, schedule, needles, where, prompt_lens, max_pos, needed_blocks, device
+) -> dict:
     import attn_prologue as ap
 
     budget = _Budget(opts.memory_budget_bytes, device)
     pool = ap.ScratchPool()
     try:  # the body's tensors are freed when it returns, before the cleanup below
-        return _pool_pass_body(opts, schedule, needles, where, prompt_lens, max_pos, needed_blocks, device, budget, pool)
+        return _pool_pass_body(
+            opts, schedule, needles, where, prompt_lens, max_pos, needed_blocks, device, budget, pool
+        )
     finally:
         pool.release()
         gc.collect()
@@ -419,7 +457,9 @@ def _pool_pass(opts: SimOptions, schedule, needles, where, prompt_lens, max_pos,
         budget.restore()
 
 
-def _pool_pass_body(opts, schedule, needles, where, prompt_lens, max_pos, needed_blocks, device, budget, pool) -> dict:
+def _pool_pass_body(
+    opts, schedule, needles, where, prompt_lens, max_pos, needed_blocks, device, budget, pool
+) -> dict:
     import attn_prologue as ap
 
     from . import codecs, reference
@@ -428,17 +468,39 @@ def _pool_pass_body(opts, schedule, needles, where, prompt_lens, max_pos, needed
     h, p, d, bs, L = opts.heads, opts.padded_heads, opts.head_dim, opts.block_size, opts.layers
     res: dict = {}
     # 1. profile: reserve the scratch pool, then the model's other buffers
-    reserved = pool.reserve(max_tokens=opts.max_num_batched_tokens, padded_heads=p, head_dim=d,
-                            dtype=torch.bfloat16, micro_batches=opts.micro_batches, device=device)
+    reserved = pool.reserve(
+        max_tokens=opts.max_num_batched_tokens,
+        padded_heads=p,
+        head_dim=d,
+        dtype=torch.bfloat16,
+        micro_batches=opts.micro_batches,
+        device=device,
+    )
     res["reserved_bytes"] = int(pool.reserved_bytes)
     if opts.progress:
-        print(f"[pool] scratch pool: reserved {reserved} bytes ({_gib(reserved)}) = {opts.micro_batches} micro-batches x "
-              f"{opts.max_num_batched_tokens} tokens x P={p} x D={d} x 2", flush=True)
+        print(
+            f"[pool] scratch pool: reserved {reserved} bytes ({_gib(reserved)}) = {opts.micro_batches} micro-batches x "
+            f"{opts.max_num_batched_tokens} tokens x P={p} x D={d} x 2",
+            flush=True,
+        )
     arena = _Arena(opts, max_pos, device)
     pool.lock()
-    bound = [ap.bind(num_heads=h, padded_heads=p, head_dim=d, rope_dim=opts.rope_dim, cache_format=CACHE_FORMAT,
-                     dtype=torch.bfloat16, block_size=bs, pool=pool, micro_batches=opts.micro_batches, eps=opts.eps,
-                     device=device) for _ in range(L)]
+    bound = [
+        ap.bind(
+            num_heads=h,
+            padded_heads=p,
+            head_dim=d,
+            rope_dim=opts.rope_dim,
+            cache_format=CACHE_FORMAT,
+            dtype=torch.bfloat16,
+            block_size=bs,
+            pool=pool,
+            micro_batches=opts.micro_batches,
+            eps=opts.eps,
+            device=device,
+        )
+        for _ in range(L)
+    ]
     # warm-up on a one-block dummy cache (every row skipped): loads every token-count bucket the schedule uses
     gen = torch.Generator(device=device)
     gen.manual_seed(opts.seed)
@@ -446,7 +508,15 @@ def _pool_pass_body(opts, schedule, needles, where, prompt_lens, max_pos, needed
     dummy = torch.empty((1, fmt.block_bytes(d, bs)), dtype=torch.uint8, device=device)
     for n in sorted({s.num_tokens for s in schedule}):
         for mb in range(opts.micro_batches):
-            bound[0](arena.q[:n], arena.kv[:n], dummy, arena.slots[:n], arena.positions[:n], arena.cos_sin, micro_batch=mb)
+            bound[0](
+                arena.q[:n],
+                arena.kv[:n],
+                dummy,
+                arena.slots[:n],
+                arena.positions[:n],
+                arena.cos_sin,
+                micro_batch=mb,
+            )
     torch.cuda.synchronize(device)
     del dummy
     # 2. size the KV cache in what is left
@@ -454,10 +524,18 @@ def _pool_pass_body(opts, schedule, needles, where, prompt_lens, max_pos, needed
     res["kv"] = kv_info
     nb = kv_info["num_blocks"]
     kv_all = torch.empty((L, nb, kv_info["block_bytes"]), dtype=torch.uint8, device=device)
-    caches = [kv_all[l] for l in range(L)]
-    for l, b in enumerate(bound):  # bind each layer to its cache (the full check runs once, here)
+    caches = [kv_all[layer] for layer in range(L)]
+    for layer, b in enumerate(bound):  # bind each layer to its cache (the full check runs once, here)
         for mb in range(opts.micro_batches):
-            b(arena.q[:1], arena.kv[:1], caches[l], arena.slots[:1], arena.positions[:1], arena.cos_sin, micro_batch=mb)
+            b(
+                arena.q[:1],
+                arena.kv[:1],
+                caches[layer],
+                arena.slots[:1],
+                arena.positions[:1],
+                arena.cos_sin,
+                micro_batch=mb,
+            )
     torch.cuda.synchronize(device)
     gen.manual_seed(opts.seed)
     alloc = BlockAllocator(nb, bs, seed=opts.seed)
@@ -493,47 +571,73 @@ def _pool_pass_body(opts, schedule, needles, where, prompt_lens, max_pos, needed
             done += n
             prog.update(si + 1, done, step)
     except torch.cuda.OutOfMemoryError as exc:
-        oom = dict(step=si + 1, layer=layer, message=str(exc).splitlines()[0] if str(exc) else "OutOfMemoryError")
+        oom = dict(
+            step=si + 1, layer=layer, message=str(exc).splitlines()[0] if str(exc) else "OutOfMemoryError"
+        )
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     stats1 = _mem_stats(device)
     peak = torch.cuda.max_memory_allocated(device)
     res.update(
-        tokens=done, tokens_scheduled=total_tokens, steps=len(schedule),
+        tokens=done,
+        tokens_scheduled=total_tokens,
+        steps=len(schedule),
         prefill_steps=sum(1 for s in schedule if s.kind == "prefill"),
         decode_steps=sum(1 for s in schedule if s.kind == "decode"),
-        layer_calls=len(schedule) * L, seconds=seconds, oom=oom,
-        memory_before=stats0, memory_after=stats1,
+        layer_calls=len(schedule) * L,
+        seconds=seconds,
+        oom=oom,
+        memory_before=stats0,
+        memory_after=stats1,
         allocations_after_lock={k: stats1[k] - stats0[k] for k in MEM_KEYS},
-        planned_bytes=int(planned), peak_bytes=int(peak), unplanned_peak_bytes=int(peak - planned),
+        planned_bytes=int(planned),
+        peak_bytes=int(peak),
+        unplanned_peak_bytes=int(peak - planned),
         headroom_bytes=budget.headroom(),
     )
     res["no_allocation_after_lock"] = all(stats1[k] == stats0[k] for k in MEM_KEYS)
 
     # 4. checks (allocation is allowed again)
     if needles and oom is None:
-        res.update(_check_needles(opts, needles, prompt_lens, arena, kv_all, alloc, nb, fmt, codecs, reference, device))
+        res.update(
+            _check_needles(
+                opts, needles, prompt_lens, arena, kv_all, alloc, nb, fmt, codecs, reference, device
+            )
+        )
     else:
-        res.update(recall=0, needles=len(needles), needle_parts={}, mismatches=[], decode_needles=0, q_exact=0,
-                   q_close=0, needle_pads_zero=0)
+        res.update(
+            recall=0,
+            needles=len(needles),
+            needle_parts={},
+            mismatches=[],
+            decode_needles=0,
+            q_exact=0,
+            q_close=0,
+            needle_pads_zero=0,
+        )
     pads = True
     if p > h:
         for mb in range(opts.micro_batches):
             buf = pool.buffer(padded_heads=p, head_dim=d, dtype=torch.bfloat16, micro_batch=mb, device=device)
             for r0 in range(0, buf.shape[0], 256):  # in slices: no large temporary under a tight budget
-                pads = pads and not bool(buf[r0:r0 + 256, h:].view(torch.int16).any())
+                pads = pads and not bool(buf[r0 : r0 + 256, h:].view(torch.int16).any())
     res["pool_pads_zero"] = pads
     res["block_tables"] = {"blocks_used": nb - alloc.num_free, "blocks_needed": needed_blocks}
     return res
 
 
-def _check_needles(opts, needles, prompt_lens, arena, kv_all, alloc, nb, fmt, codecs, reference, device) -> dict:
+def _check_needles(
+    opts, needles, prompt_lens, arena, kv_all, alloc, nb, fmt, codecs, reference, device
+) -> dict:
     h, d, bs, L = opts.heads, opts.head_dim, opts.block_size, opts.layers
     k = len(needles)
     pos = torch.tensor([nd.pos for nd in needles], dtype=torch.int64, device=device)
     # slots in the [L * num_blocks, block_bytes] view of the whole cache
-    gslots = torch.tensor([(nd.layer * nb + alloc.table(nd.seq)[nd.pos // bs]) * bs + nd.pos % bs for nd in needles],
-                          dtype=torch.int64, device=device)
+    gslots = torch.tensor(
+        [(nd.layer * nb + alloc.table(nd.seq)[nd.pos // bs]) * bs + nd.pos % bs for nd in needles],
+        dtype=torch.int64,
+        device=device,
+    )
     flat = kv_all.view(L * nb, kv_all.shape[2])
     got_d, got_s = codecs.read_records(flat, fmt, d, bs, gslots)
     vals = reference.kv_values(arena.needle_kv[:k], pos, arena.cos_sin)
@@ -543,8 +647,18 @@ def _check_needles(opts, needles, prompt_lens, arena, kv_all, alloc, nb, fmt, co
     rope = (got_d[:, nq:] == want_d[:, nq:]).all(1)
     scale = (got_s == want_s).all(1)
     exact = nope & rope & scale
-    mism = [dict(seq=needles[i].seq, pos=needles[i].pos, layer=needles[i].layer, nope_ok=bool(nope[i]),
-                 rope_ok=bool(rope[i]), scale_ok=bool(scale[i])) for i in range(k) if not bool(exact[i])]
+    mism = [
+        dict(
+            seq=needles[i].seq,
+            pos=needles[i].pos,
+            layer=needles[i].layer,
+            nope_ok=bool(nope[i]),
+            rope_ok=bool(rope[i]),
+            scale_ok=bool(scale[i]),
+        )
+        for i in range(k)
+        if not bool(exact[i])
+    ]
     # q_out of the needles' rows, captured right after their layer's call
     want_q = reference.q_values(arena.needle_q[:k], pos, arena.cos_sin, opts.eps).to(torch.bfloat16)
     got_q = arena.needle_qout[:k, :h]
@@ -555,11 +669,14 @@ def _check_needles(opts, needles, prompt_lens, arena, kv_all, alloc, nb, fmt, co
     else:
         pads = torch.ones(k, dtype=torch.bool, device=device)
     return dict(
-        recall=int(exact.sum()), needles=k,
+        recall=int(exact.sum()),
+        needles=k,
         needle_parts=dict(nope_e4m3=int(nope.sum()), rope_bf16=int(rope.sum()), scale_ue8m0=int(scale.sum())),
         mismatches=mism[:10],
         decode_needles=sum(1 for nd in needles if nd.pos >= prompt_lens[nd.seq]),
-        q_exact=int(q_exact.sum()), q_close=int(q_close.sum()), needle_pads_zero=int(pads.sum()),
+        q_exact=int(q_exact.sum()),
+        q_close=int(q_close.sum()),
+        needle_pads_zero=int(pads.sum()),
     )
 
 
@@ -585,15 +702,24 @@ def _allocating_pass_body(opts, schedule, max_pos, needed_blocks, device, budget
     _fill_inputs(arena.q, arena.kv, gen)
     dummy = torch.empty((1, fmt.block_bytes(d, bs)), dtype=torch.uint8, device=device)
     q_tmp = torch.empty((1, p, d), dtype=torch.bfloat16, device=device)
-    ap.qnorm_rope_kv_insert(arena.q[:1], arena.kv[:1], q_tmp, dummy, arena.slots[:1], arena.positions[:1],
-                            arena.cos_sin, opts.eps, bs)
+    ap.qnorm_rope_kv_insert(
+        arena.q[:1],
+        arena.kv[:1],
+        q_tmp,
+        dummy,
+        arena.slots[:1],
+        arena.positions[:1],
+        arena.cos_sin,
+        opts.eps,
+        bs,
+    )
     torch.cuda.synchronize(device)
     del dummy, q_tmp
     kv_info = _size_kv(opts, budget, needed_blocks, "allocating")
     res["kv"] = kv_info
     nb = kv_info["num_blocks"]
     kv_all = torch.empty((L, nb, kv_info["block_bytes"]), dtype=torch.uint8, device=device)
-    caches = [kv_all[l] for l in range(L)]
+    caches = [kv_all[layer] for layer in range(L)]
     alloc = BlockAllocator(nb, bs, seed=opts.seed)
     total_tokens = sum(s.num_tokens for s in schedule)
     torch.cuda.synchronize(device)
@@ -616,28 +742,46 @@ def _allocating_pass_body(opts, schedule, max_pos, needed_blocks, device, budget
             q, kv = arena.q[:n], arena.kv[:n]
             for layer in range(L):
                 _fill_inputs(q, kv, gen)
-                q_out = torch.empty((n, p, d), dtype=torch.bfloat16, device=device)  # what the old op did per call
-                ap.qnorm_rope_kv_insert(q, kv, q_out, caches[layer], slots, positions, arena.cos_sin, opts.eps, bs)
+                q_out = torch.empty(
+                    (n, p, d), dtype=torch.bfloat16, device=device
+                )  # what the old op did per call
+                ap.qnorm_rope_kv_insert(
+                    q, kv, q_out, caches[layer], slots, positions, arena.cos_sin, opts.eps, bs
+                )
                 del q_out  # attention has consumed it
             torch.cuda.synchronize(device)
             done += n
             prog.update(si + 1, done, step)
     except torch.cuda.OutOfMemoryError as exc:
         msg = str(exc).splitlines()[0] if str(exc) else "OutOfMemoryError"
-        oom = dict(step=si + 1, steps=len(schedule), layer=layer, tokens=n, requested_bytes=padded_q_bytes(opts, n),
-                   message=msg)
+        oom = dict(
+            step=si + 1,
+            steps=len(schedule),
+            layer=layer,
+            tokens=n,
+            requested_bytes=padded_q_bytes(opts, n),
+            message=msg,
+        )
         if opts.progress:
-            print(f"[allocating] torch.cuda.OutOfMemoryError at step {si + 1}/{len(schedule)}, layer {layer}: "
-                  f"a [{n}, {p}, {d}] Q tensor ({_gib(padded_q_bytes(opts, n))}) with {_gib(headroom)} of headroom",
-                  flush=True)
+            print(
+                f"[allocating] torch.cuda.OutOfMemoryError at step {si + 1}/{len(schedule)}, layer {layer}: "
+                f"a [{n}, {p}, {d}] Q tensor ({_gib(padded_q_bytes(opts, n))}) with {_gib(headroom)} of headroom",
+                flush=True,
+            )
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device)
     stats1 = _mem_stats(device)
     extra = int(peak - planned)
     res.update(
-        outcome="oom" if oom else "fit", oom=oom, tokens=done, seconds=seconds,
-        planned_bytes=int(planned), peak_bytes=int(peak), unplanned_peak_bytes=extra, headroom_bytes=int(headroom),
+        outcome="oom" if oom else "fit",
+        oom=oom,
+        tokens=done,
+        seconds=seconds,
+        planned_bytes=int(planned),
+        peak_bytes=int(peak),
+        unplanned_peak_bytes=extra,
+        headroom_bytes=int(headroom),
         allocations={k: stats1[k] - stats0[k] for k in MEM_KEYS},
     )
     if oom:
@@ -674,29 +818,44 @@ def run(opts: SimOptions) -> dict:
     needed_blocks = sum(blocks_for(p + opts.decode_steps, opts.block_size) for p in prompts)
 
     if opts.progress:
-        print(f"simulate on {torch.cuda.get_device_name(device)}: {opts.seqs} sequences, prompts {min(prompts)}..{max(prompts)} "
-              f"tokens, {len(schedule)} steps ({sum(s.kind == 'prefill' for s in schedule)} prefill, {opts.decode_steps} decode), "
-              f"{opts.layers} layers, H={opts.heads} P={opts.padded_heads} D={opts.head_dim}, max_num_batched_tokens="
-              f"{opts.max_num_batched_tokens}, {len(needles)} needles"
-              + (f", memory budget {_gib(opts.memory_budget_bytes)}" if opts.memory_budget_bytes is not None else ""),
-              flush=True)
+        print(
+            f"simulate on {torch.cuda.get_device_name(device)}: {opts.seqs} sequences, prompts {min(prompts)}..{max(prompts)} "
+            f"tokens, {len(schedule)} steps ({sum(s.kind == 'prefill' for s in schedule)} prefill, {opts.decode_steps} decode), "
+            f"{opts.layers} layers, H={opts.heads} P={opts.padded_heads} D={opts.head_dim}, max_num_batched_tokens="
+            f"{opts.max_num_batched_tokens}, {len(needles)} needles"
+            + (
+                f", memory budget {_gib(opts.memory_budget_bytes)}"
+                if opts.memory_budget_bytes is not None
+                else ""
+            ),
+            flush=True,
+        )
     results = {
         "device": torch.cuda.get_device_name(device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
         "dsl": compiler.dsl_versions(),
         "command": opts.command or f"attn_prologue.simulate.run({opts!r})",
         "options": asdict(opts),
-        "prompt_lens": prompts, "max_position": max_pos,
+        "prompt_lens": prompts,
+        "max_position": max_pos,
     }
     t0 = time.perf_counter()
     results["pool"] = _pool_pass(opts, schedule, needles, where, prompts, max_pos, needed_blocks, device)
-    results["allocating"] = _allocating_pass(opts, schedule, max_pos, needed_blocks, device) if opts.allocating else None
+    results["allocating"] = (
+        _allocating_pass(opts, schedule, max_pos, needed_blocks, device) if opts.allocating else None
+    )
     results["seconds"] = time.perf_counter() - t0
     pr = results["pool"]
     results["passed"] = bool(
-        pr["oom"] is None and pr["no_allocation_after_lock"] and pr["recall"] == pr["needles"]
-        and pr["q_close"] == pr["needles"] and pr["needle_pads_zero"] == pr["needles"] and pr["pool_pads_zero"]
+        pr["oom"] is None
+        and pr["no_allocation_after_lock"]
+        and pr["recall"] == pr["needles"]
+        and pr["q_close"] == pr["needles"]
+        and pr["needle_pads_zero"] == pr["needles"]
+        and pr["pool_pads_zero"]
         and pr["tokens"] == pr["tokens_scheduled"]
     )
     al = results["allocating"]
@@ -712,7 +871,9 @@ def run(opts: SimOptions) -> dict:
         "allocations_after_lock": pr["allocations_after_lock"],
         "oom": pr["oom"],
         "allocating_outcome": None if al is None else al["outcome"],
-        "allocating_oom_at": None if al is None or not al["oom"] else {k: al["oom"][k] for k in ("step", "layer", "tokens")},
+        "allocating_oom_at": None
+        if al is None or not al["oom"]
+        else {k: al["oom"][k] for k in ("step", "layer", "tokens")},
         "allocating_unplanned_peak_bytes": None if al is None else al["unplanned_peak_bytes"],
         "allocating_headroom_bytes": None if al is None else al["headroom_bytes"],
         "passed": results["passed"],
@@ -735,38 +896,81 @@ def summary(results: dict) -> str:
     rows = [
         ("device", results["device"]),
         ("scratch pool reserved", f"{pr['reserved_bytes']} B ({_gib(pr['reserved_bytes'])})"),
-        ("KV cache (pool mode)", f"{pr['kv']['num_blocks']} blocks, {pr['kv']['capacity_tokens']} tokens/layer, "
-                                 f"{o['layers']} layers, {_gib(pr['kv']['kv_bytes'])} of {_gib(pr['kv']['free_bytes'])} free"),
-        ("schedule", f"{pr['steps']} steps ({pr['prefill_steps']} prefill, {pr['decode_steps']} decode), "
-                     f"{pr['layer_calls']} layer calls"),
-        ("tokens processed", f"{pr['tokens']}/{pr['tokens_scheduled']} ({pr['tokens'] * o['layers']} token-layers)"),
-        ("time", f"{pr['seconds']:.2f}s ({pr['tokens'] * o['layers'] / max(pr['seconds'], 1e-9):,.0f} token-layers/s, "
-                 f"random inputs included)"),
-        ("allocations after lock", ", ".join(f"{k.split('.')[0]} {v:+d}" for k, v in pr["allocations_after_lock"].items())
-         + (" (none)" if pr["no_allocation_after_lock"] else " (ALLOCATED)")),
+        (
+            "KV cache (pool mode)",
+            f"{pr['kv']['num_blocks']} blocks, {pr['kv']['capacity_tokens']} tokens/layer, "
+            f"{o['layers']} layers, {_gib(pr['kv']['kv_bytes'])} of {_gib(pr['kv']['free_bytes'])} free",
+        ),
+        (
+            "schedule",
+            f"{pr['steps']} steps ({pr['prefill_steps']} prefill, {pr['decode_steps']} decode), "
+            f"{pr['layer_calls']} layer calls",
+        ),
+        (
+            "tokens processed",
+            f"{pr['tokens']}/{pr['tokens_scheduled']} ({pr['tokens'] * o['layers']} token-layers)",
+        ),
+        (
+            "time",
+            f"{pr['seconds']:.2f}s ({pr['tokens'] * o['layers'] / max(pr['seconds'], 1e-9):,.0f} token-layers/s, "
+            f"random inputs included)",
+        ),
+        (
+            "allocations after lock",
+            ", ".join(f"{k.split('.')[0]} {v:+d}" for k, v in pr["allocations_after_lock"].items())
+            + (" (none)" if pr["no_allocation_after_lock"] else " (ALLOCATED)"),
+        ),
         ("unplanned peak memory", f"{pr['unplanned_peak_bytes']} B"),
         ("OOM", "none" if pr["oom"] is None else f"step {pr['oom']['step']} layer {pr['oom']['layer']}"),
-        ("needle recall (bit-exact)", f"{pr['recall']}/{pr['needles']}"
-         + (f"  (e4m3 {pr['needle_parts'].get('nope_e4m3')}, rope {pr['needle_parts'].get('rope_bf16')}, "
-            f"scales {pr['needle_parts'].get('scale_ue8m0')})" if pr["needle_parts"] else "")),
-        ("q_out of needles", f"{pr['q_close']}/{pr['needles']} within 1e-2, {pr['q_exact']}/{pr['needles']} bit-exact"),
-        ("pad heads zero", f"needles {pr['needle_pads_zero']}/{pr['needles']}, pool buffers "
-                           f"{'yes' if pr['pool_pads_zero'] else 'NO'}"),
+        (
+            "needle recall (bit-exact)",
+            f"{pr['recall']}/{pr['needles']}"
+            + (
+                f"  (e4m3 {pr['needle_parts'].get('nope_e4m3')}, rope {pr['needle_parts'].get('rope_bf16')}, "
+                f"scales {pr['needle_parts'].get('scale_ue8m0')})"
+                if pr["needle_parts"]
+                else ""
+            ),
+        ),
+        (
+            "q_out of needles",
+            f"{pr['q_close']}/{pr['needles']} within 1e-2, {pr['q_exact']}/{pr['needles']} bit-exact",
+        ),
+        (
+            "pad heads zero",
+            f"needles {pr['needle_pads_zero']}/{pr['needles']}, pool buffers "
+            f"{'yes' if pr['pool_pads_zero'] else 'NO'}",
+        ),
     ]
     if al is None:
         rows.append(("allocating mode", "skipped"))
     else:
-        rows.append(("KV cache (allocating)", f"{al['kv']['num_blocks']} blocks, {al['kv']['capacity_tokens']} tokens/layer, "
-                                              f"{_gib(al['kv']['kv_bytes'])} of {_gib(al['kv']['free_bytes'])} free"))
+        rows.append(
+            (
+                "KV cache (allocating)",
+                f"{al['kv']['num_blocks']} blocks, {al['kv']['capacity_tokens']} tokens/layer, "
+                f"{_gib(al['kv']['kv_bytes'])} of {_gib(al['kv']['free_bytes'])} free",
+            )
+        )
         if al["oom"]:
             oo = al["oom"]
-            rows.append(("allocating mode", f"torch.cuda.OutOfMemoryError at step {oo['step']}/{oo['steps']}, layer "
-                                            f"{oo['layer']} (N={oo['tokens']}, needed {_gib(oo['requested_bytes'])}, "
-                                            f"headroom {_gib(al['headroom_bytes'])})"))
+            rows.append(
+                (
+                    "allocating mode",
+                    f"torch.cuda.OutOfMemoryError at step {oo['step']}/{oo['steps']}, layer "
+                    f"{oo['layer']} (N={oo['tokens']}, needed {_gib(oo['requested_bytes'])}, "
+                    f"headroom {_gib(al['headroom_bytes'])})",
+                )
+            )
         else:
-            rows.append(("allocating mode", f"fit: measured peak beyond the planned memory {_gib(al['unplanned_peak_bytes'])}"
-                                            f" (headroom {_gib(al['headroom_bytes'])}; fails for kv-fraction > "
-                                            f"{al['max_kv_fraction_that_fits']:.3f})"))
+            rows.append(
+                (
+                    "allocating mode",
+                    f"fit: measured peak beyond the planned memory {_gib(al['unplanned_peak_bytes'])}"
+                    f" (headroom {_gib(al['headroom_bytes'])}; fails for kv-fraction > "
+                    f"{al['max_kv_fraction_that_fits']:.3f})",
+                )
+            )
     rows.append(("verdict", "PASS" if results.get("passed") else "FAIL"))
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)

@@ -12,8 +12,6 @@ call the kernels directly in eager mode and go through torch.ops only while comp
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -35,32 +33,104 @@ def qnorm_rope_kv_insert_op(
     eps: float,
     block_size: int,
     cache_format: str = "fp8_ds_mla",
-    kv_scale: Optional[Tensor] = None,
-    q_scale: Optional[Tensor] = None,
+    kv_scale: Tensor | None = None,
+    q_scale: Tensor | None = None,
 ) -> None:
     raise NotImplementedError(f"qnorm_rope_kv_insert has no kernel for device {q_in.device}")
 
 
 @qnorm_rope_kv_insert_op.register_kernel("cpu")
-def _qkv_cpu(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size,
-             cache_format="fp8_ds_mla", kv_scale=None, q_scale=None):
-    ops.check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
-                  q_scale=q_scale, kv_scale=kv_scale)
-    reference.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size,
-                                   cache_format, kv_scale=kv_scale, q_scale=q_scale)
+def _qkv_cpu(
+    q_in,
+    kv,
+    q_out,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    eps,
+    block_size,
+    cache_format="fp8_ds_mla",
+    kv_scale=None,
+    q_scale=None,
+):
+    ops.check_qkv(
+        q_in,
+        kv,
+        q_out,
+        k_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        eps,
+        block_size,
+        cache_format,
+        q_scale=q_scale,
+        kv_scale=kv_scale,
+    )
+    reference.qnorm_rope_kv_insert(
+        q_in,
+        kv,
+        q_out,
+        k_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        eps,
+        block_size,
+        cache_format,
+        kv_scale=kv_scale,
+        q_scale=q_scale,
+    )
 
 
 @qnorm_rope_kv_insert_op.register_kernel("cuda")
-def _qkv_cuda(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size,
-              cache_format="fp8_ds_mla", kv_scale=None, q_scale=None):
-    ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size,
-                             cache_format, kv_scale=kv_scale, q_scale=q_scale,
-                             write_pad_heads=zero_once_heads(q_out) != q_in.shape[1])
+def _qkv_cuda(
+    q_in,
+    kv,
+    q_out,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    eps,
+    block_size,
+    cache_format="fp8_ds_mla",
+    kv_scale=None,
+    q_scale=None,
+):
+    ops.qnorm_rope_kv_insert(
+        q_in,
+        kv,
+        q_out,
+        k_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        eps,
+        block_size,
+        cache_format,
+        kv_scale=kv_scale,
+        q_scale=q_scale,
+        write_pad_heads=zero_once_heads(q_out) != q_in.shape[1],
+    )
 
 
 @qnorm_rope_kv_insert_op.register_fake
-def _qkv_fake(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size,
-              cache_format="fp8_ds_mla", kv_scale=None, q_scale=None):
+def _qkv_fake(
+    q_in,
+    kv,
+    q_out,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    eps,
+    block_size,
+    cache_format="fp8_ds_mla",
+    kv_scale=None,
+    q_scale=None,
+):
     return None
 
 
@@ -73,55 +143,181 @@ def kv_rope_insert_op(
     cos_sin_cache: Tensor,
     block_size: int,
     cache_format: str = "fp8_ds_mla",
-    norm_weight: Optional[Tensor] = None,
+    norm_weight: Tensor | None = None,
     eps: float = 1e-6,
-    kv_scale: Optional[Tensor] = None,
+    kv_scale: Tensor | None = None,
 ) -> None:
     raise NotImplementedError(f"kv_rope_insert has no kernel for device {kv.device}")
 
 
 @kv_rope_insert_op.register_kernel("cpu")
-def _kv_cpu(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format="fp8_ds_mla",
-            norm_weight=None, eps=1e-6, kv_scale=None):
-    ops.check_kv(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format,
-                 norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
-    reference.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format,
-                             norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
+def _kv_cpu(
+    kv,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    block_size,
+    cache_format="fp8_ds_mla",
+    norm_weight=None,
+    eps=1e-6,
+    kv_scale=None,
+):
+    ops.check_kv(
+        kv,
+        k_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        block_size,
+        cache_format,
+        norm_weight=norm_weight,
+        eps=eps,
+        kv_scale=kv_scale,
+    )
+    reference.kv_rope_insert(
+        kv,
+        k_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        block_size,
+        cache_format,
+        norm_weight=norm_weight,
+        eps=eps,
+        kv_scale=kv_scale,
+    )
 
 
 @kv_rope_insert_op.register_kernel("cuda")
-def _kv_cuda(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format="fp8_ds_mla",
-             norm_weight=None, eps=1e-6, kv_scale=None):
-    ops.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format,
-                       norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
+def _kv_cuda(
+    kv,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    block_size,
+    cache_format="fp8_ds_mla",
+    norm_weight=None,
+    eps=1e-6,
+    kv_scale=None,
+):
+    ops.kv_rope_insert(
+        kv,
+        k_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        block_size,
+        cache_format,
+        norm_weight=norm_weight,
+        eps=eps,
+        kv_scale=kv_scale,
+    )
 
 
 @kv_rope_insert_op.register_fake
-def _kv_fake(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format="fp8_ds_mla",
-             norm_weight=None, eps=1e-6, kv_scale=None):
+def _kv_fake(
+    kv,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    block_size,
+    cache_format="fp8_ds_mla",
+    norm_weight=None,
+    eps=1e-6,
+    kv_scale=None,
+):
     return None
 
 
 # ---- package-level entry points: direct in eager mode, torch.ops while compiling -----------------
-def qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size,
-                         cache_format="fp8_ds_mla", kv_scale=None, q_scale=None) -> None:
+def qnorm_rope_kv_insert(
+    q_in,
+    kv,
+    q_out,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    eps,
+    block_size,
+    cache_format="fp8_ds_mla",
+    kv_scale=None,
+    q_scale=None,
+) -> None:
     """The fused op (spec/op.md): writes q_out[:N, :H] (pads [H, P) read as zero afterwards) and
     inserts rows t < len(slot_mapping) with slot >= 0 into k_cache. Nothing is allocated."""
     if q_in.is_cuda and not torch.compiler.is_compiling():
-        ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size,
-                                 cache_format, kv_scale=kv_scale, q_scale=q_scale,
-                                 write_pad_heads=zero_once_heads(q_out) != q_in.shape[1])
+        ops.qnorm_rope_kv_insert(
+            q_in,
+            kv,
+            q_out,
+            k_cache,
+            slot_mapping,
+            positions,
+            cos_sin_cache,
+            eps,
+            block_size,
+            cache_format,
+            kv_scale=kv_scale,
+            q_scale=q_scale,
+            write_pad_heads=zero_once_heads(q_out) != q_in.shape[1],
+        )
         return
-    torch.ops.attn_prologue.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache,
-                                                 eps, block_size, cache_format, kv_scale, q_scale)
+    torch.ops.attn_prologue.qnorm_rope_kv_insert(
+        q_in,
+        kv,
+        q_out,
+        k_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        eps,
+        block_size,
+        cache_format,
+        kv_scale,
+        q_scale,
+    )
 
 
-def kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format="fp8_ds_mla",
-                   norm_weight=None, eps=1e-6, kv_scale=None) -> None:
+def kv_rope_insert(
+    kv,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    block_size,
+    cache_format="fp8_ds_mla",
+    norm_weight=None,
+    eps=1e-6,
+    kv_scale=None,
+) -> None:
     """KV-only relatives: RoPE (after an optional weighted RMSNorm), quantize, insert."""
     if kv.is_cuda and not torch.compiler.is_compiling():
-        ops.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format,
-                           norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
+        ops.kv_rope_insert(
+            kv,
+            k_cache,
+            slot_mapping,
+            positions,
+            cos_sin_cache,
+            block_size,
+            cache_format,
+            norm_weight=norm_weight,
+            eps=eps,
+            kv_scale=kv_scale,
+        )
         return
-    torch.ops.attn_prologue.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size,
-                                           cache_format, norm_weight, eps, kv_scale)
+    torch.ops.attn_prologue.kv_rope_insert(
+        kv,
+        k_cache,
+        slot_mapping,
+        positions,
+        cos_sin_cache,
+        block_size,
+        cache_format,
+        norm_weight,
+        eps,
+        kv_scale,
+    )

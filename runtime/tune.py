@@ -13,8 +13,8 @@ import concurrent.futures as cf
 import math
 import multiprocessing
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from . import bench, dispatch
 from .launch import LaunchConfig
@@ -24,10 +24,17 @@ from .launch import LaunchConfig
 # resident warps; KV spread only with them, when Q has few heads (results/README.md, ab7).
 DEFAULT_SPACE = [
     LaunchConfig(w, u, pdl, nc, streaming=cs)
-    for w in (2, 4, 8, 16) for u in (1, 2) for pdl in (True, False) for nc in (True, False) for cs in (True, False)
+    for w in (2, 4, 8, 16)
+    for u in (1, 2)
+    for pdl in (True, False)
+    for nc in (True, False)
+    for cs in (True, False)
 ] + [
     LaunchConfig(w, 1, pdl, nc, streaming=True, min_ctas_per_sm=48 // w, spread_kv=spread)
-    for spread in (False, True) for w in (4, 8) for pdl in (True, False) for nc in (True, False)
+    for spread in (False, True)
+    for w in (4, 8)
+    for pdl in (True, False)
+    for nc in (True, False)
 ]
 
 
@@ -44,20 +51,36 @@ def prune(configs: list[LaunchConfig]) -> list[LaunchConfig]:
 
 def shape_for(variant: str, n: int, h: int, p: int, block_size: int = 64) -> bench.Shape:
     info = dispatch.variant_info(variant)
-    return bench.Shape(n=n, h=h, p=p, head_dim=info.head_dim, rope_dim=info.rope_dim, cache_format=info.cache_format,
-                       block_size=block_size, op=info.op, dtype=info.io_dtype, q_fp8=info.q_out == "fp8")
+    return bench.Shape(
+        n=n,
+        h=h,
+        p=p,
+        head_dim=info.head_dim,
+        rope_dim=info.rope_dim,
+        cache_format=info.cache_format,
+        block_size=block_size,
+        op=info.op,
+        dtype=info.io_dtype,
+        q_fp8=info.q_out == "fp8",
+    )
 
 
-def _compile_job(cache_root: str, variant: str, config_key: str, target: str) -> tuple[str, str, Optional[str]]:
+def _compile_job(cache_root: str, variant: str, config_key: str, target: str) -> tuple[str, str, str | None]:
     from .kernel_cache import KernelCache, KernelKey
 
     try:
-        meta = KernelCache(cache_root).ensure_built(KernelKey(variant, LaunchConfig.from_key(config_key), target))
+        meta = KernelCache(cache_root).ensure_built(
+            KernelKey(variant, LaunchConfig.from_key(config_key), target)
+        )
     except Exception as exc:  # reported, scored as infinity
         return variant, config_key, f"{type(exc).__name__}: {exc}"
     res = meta["resources"]
     if res["frame_bytes"] or res["min_stack_bytes"] or res["local_sections"] or meta["ptx"]["local_memory"]:
-        return variant, config_key, f"pruned: spills to local memory ({res['frame_bytes']} B frame, {res['registers']} registers)"
+        return (
+            variant,
+            config_key,
+            f"pruned: spills to local memory ({res['frame_bytes']} B frame, {res['registers']} registers)",
+        )
     return variant, config_key, None
 
 
@@ -80,7 +103,7 @@ def run(
     *,
     h: int = 64,
     p: int = 64,
-    jobs: Optional[int] = None,
+    jobs: int | None = None,
     replays: int = 15,
     cache=None,
     log: Callable[[str], None] = print,
@@ -98,7 +121,9 @@ def run(
     total = len(work) * len(buckets)
     done = 0
     ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=jobs or max(1, min(8, (multiprocessing.cpu_count() or 2) - 1)), mp_context=ctx) as pool:
+    with cf.ProcessPoolExecutor(
+        max_workers=jobs or max(1, min(8, (multiprocessing.cpu_count() or 2) - 1)), mp_context=ctx
+    ) as pool:
         futures = [pool.submit(_compile_job, str(cache.root), v, c.key, target) for v, c in work]
         for fut in cf.as_completed(futures):
             variant, key, err = fut.result()
@@ -116,8 +141,11 @@ def run(
                 done += 1
             elapsed = time.perf_counter() - t0
             eta = elapsed / done * (total - done)
-            log(f"[{done}/{total}] {variant} {key}: " + ("FAILED " + err if err else "ok")
-                + f"  elapsed {elapsed:.0f}s, ETA {eta:.0f}s")
+            log(
+                f"[{done}/{total}] {variant} {key}: "
+                + ("FAILED " + err if err else "ok")
+                + f"  elapsed {elapsed:.0f}s, ETA {eta:.0f}s"
+            )
     sweep.seconds = time.perf_counter() - t0
     return sweep
 
@@ -130,7 +158,9 @@ def time_config(variant: str, config: LaunchConfig, n: int, *, h: int, p: int, r
     est_us = max(2.0, shape.min_bytes() / 4e6)
     calls = max(nsets, min(20, int(3000 / est_us) + 1))
     reps = max(3, min(replays, int(30000 / (est_us * calls)) + 1))
-    return bench.graph_time_us(bench.op_fns(shape, sets, config=config), replays=reps, calls_per_graph=calls)["median_us"]
+    return bench.graph_time_us(bench.op_fns(shape, sets, config=config), replays=reps, calls_per_graph=calls)[
+        "median_us"
+    ]
 
 
 def entries(sweep: Sweep, variants: list[str], buckets: list[int], env, h: int, p: int) -> list[dict]:
@@ -140,6 +170,15 @@ def entries(sweep: Sweep, variants: list[str], buckets: list[int], env, h: int, 
             key, us = sweep.best(v, b)
             if math.isinf(us):
                 continue
-            out.append({**env.as_dict(), "variant": v, "bucket": b, "config": key, "us": round(us, 3),
-                        "heads": h, "padded_heads": p})
+            out.append(
+                {
+                    **env.as_dict(),
+                    "variant": v,
+                    "bucket": b,
+                    "config": key,
+                    "us": round(us, 3),
+                    "heads": h,
+                    "padded_heads": p,
+                }
+            )
     return out

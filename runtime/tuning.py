@@ -19,7 +19,6 @@ import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Optional
 
 from .launch import LaunchConfig
 
@@ -55,8 +54,14 @@ class Environment:
     dsl: str
 
     def as_dict(self) -> dict:
-        return {"gpu": self.gpu, "sms": self.sms, "capability": self.capability, "driver": self.driver,
-                "package": self.package, "dsl": self.dsl}
+        return {
+            "gpu": self.gpu,
+            "sms": self.sms,
+            "capability": self.capability,
+            "driver": self.driver,
+            "package": self.package,
+            "dsl": self.dsl,
+        }
 
 
 def current_environment(device=None) -> Environment:
@@ -83,13 +88,13 @@ def current_environment(device=None) -> Environment:
 
 
 class TuningDatabase:
-    def __init__(self, entries: Optional[list[dict]] = None, path: Optional[Path] = None):
+    def __init__(self, entries: list[dict] | None = None, path: Path | None = None):
         self.entries = entries or []
         self.path = path
 
     # ---- persistence -------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: Path) -> "TuningDatabase":
+    def load(cls, path: Path) -> TuningDatabase:
         """Read a database; a missing file is empty, a corrupt one is reported and treated as empty."""
         path = Path(path)
         if not path.exists():
@@ -107,7 +112,7 @@ class TuningDatabase:
             return cls([], path)
         return cls(data["entries"], path)
 
-    def save(self, path: Optional[Path] = None) -> Path:
+    def save(self, path: Path | None = None) -> Path:
         path = Path(path or self.path)
         path.parent.mkdir(parents=True, exist_ok=True)
         entries = sorted(self.entries, key=lambda e: (e["gpu"], e["variant"], e["bucket"]))
@@ -118,9 +123,14 @@ class TuningDatabase:
 
     def merge(self, new_entries: list[dict]) -> None:
         """New entries replace old ones with the same environment, variant, bucket and head counts."""
+
         def ident(e):
-            return tuple(e.get(f) for f in MATCH_FIELDS) + (e["variant"], e["bucket"], e.get("heads", DEFAULT_HEADS),
-                                                             e.get("padded_heads", e.get("heads", DEFAULT_HEADS)))
+            return tuple(e.get(f) for f in MATCH_FIELDS) + (
+                e["variant"],
+                e["bucket"],
+                e.get("heads", DEFAULT_HEADS),
+                e.get("padded_heads", e.get("heads", DEFAULT_HEADS)),
+            )
 
         index = {ident(e): i for i, e in enumerate(self.entries)}
         for e in new_entries:
@@ -132,7 +142,9 @@ class TuningDatabase:
                 self.entries[i] = e
 
     # ---- lookup ---------------------------------------------------------------------------------
-    def table_for(self, env: Environment, *, force: bool = False) -> dict[tuple[str, int], dict[tuple[int, int], LaunchConfig]]:
+    def table_for(
+        self, env: Environment, *, force: bool = False
+    ) -> dict[tuple[str, int], dict[tuple[int, int], LaunchConfig]]:
         """(variant, bucket) -> {(heads, heads written): config} for this environment. Entries for
         another GPU, SM count, capability, package or DSL version are reported once and ignored
         unless force=True."""
@@ -156,8 +168,9 @@ class TuningDatabase:
         return table
 
 
-def pick(tuned: Optional[dict[tuple[int, int], LaunchConfig]], heads: Optional[int],
-         written: Optional[int] = None) -> Optional[LaunchConfig]:
+def pick(
+    tuned: dict[tuple[int, int], LaunchConfig] | None, heads: int | None, written: int | None = None
+) -> LaunchConfig | None:
     """The config tuned at (heads, written) Q heads, else the nearest tuned pair (sum of the log2
     ratios; a tie takes the larger counts); the largest when heads is None (ops without Q). None
     without entries. `written` defaults to heads (pads not written)."""

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import torch
-
 from attn_prologue.errors import AttnPrologueError, InputError, UnsupportedError
 
 D, R, BS, N, H, P = 512, 64, 16, 12, 4, 8
@@ -55,7 +54,10 @@ CASES = {
     "q_in int8": (lambda a: a.update(q_in=a["q_in"].to(torch.int8)), InputError),
     "q_in 2-D": (lambda a: a.update(q_in=a["q_in"][:, 0]), InputError),
     "q_in head dim 256": (lambda a: a.update(q_in=a["q_in"][..., :256].contiguous()), InputError),
-    "q_in head-major (transposed)": (lambda a: a.update(q_in=a["q_in"].transpose(0, 1).contiguous().transpose(0, 1)), InputError),
+    "q_in head-major (transposed)": (
+        lambda a: a.update(q_in=a["q_in"].transpose(0, 1).contiguous().transpose(0, 1)),
+        InputError,
+    ),
     "q_in misaligned": (lambda a: a.update(q_in=_misaligned(a["q_in"])), InputError),
     "kv fp16 with bf16 q": (lambda a: a.update(kv=a["kv"].half()), InputError),
     "kv fewer rows than tokens": (lambda a: a.update(kv=a["kv"][:-1]), InputError),
@@ -65,28 +67,51 @@ CASES = {
     "q_out P < H": (lambda a: a.update(q_out=a["q_out"][:, :2].contiguous()), InputError),
     "q_out fewer rows than tokens": (lambda a: a.update(q_out=a["q_out"][:-2]), InputError),
     "q_out wrong head dim": (lambda a: a.update(q_out=a["q_out"][..., :128].contiguous()), InputError),
-    "q_out rows not contiguous": (lambda a: a.update(q_out=a["q_out"].transpose(0, 1).contiguous().transpose(0, 1)), InputError),
+    "q_out rows not contiguous": (
+        lambda a: a.update(q_out=a["q_out"].transpose(0, 1).contiguous().transpose(0, 1)),
+        InputError,
+    ),
     "q_out aliases q_in with P > H": (lambda a: _alias_q(a), InputError),
     "k_cache int8": (lambda a: a.update(k_cache=a["k_cache"].view(torch.int8)), InputError),
     "k_cache 1-D": (lambda a: a.update(k_cache=a["k_cache"].view(-1)), InputError),
     "k_cache too small for block_size": (lambda a: a.update(block_size=BS * 2), InputError),
-    "k_cache block stride not 16-byte multiple": (lambda a: a.update(k_cache=torch.zeros(4, BS * 584 + 8, dtype=torch.uint8, device=a["k_cache"].device)[:, : BS * 584]), InputError),
+    "k_cache block stride not 16-byte multiple": (
+        lambda a: a.update(
+            k_cache=torch.zeros(4, BS * 584 + 8, dtype=torch.uint8, device=a["k_cache"].device)[:, : BS * 584]
+        ),
+        InputError,
+    ),
     "k_cache misaligned": (lambda a: a.update(k_cache=_misaligned(a["k_cache"])), InputError),
     "block_size zero": (lambda a: a.update(block_size=0), InputError),
     "block_size negative": (lambda a: a.update(block_size=-16), InputError),
     "slot_mapping int32": (lambda a: a.update(slot_mapping=a["slot_mapping"].int()), InputError),
-    "slot_mapping longer than tokens": (lambda a: a.update(slot_mapping=torch.cat((a["slot_mapping"], a["slot_mapping"][:1]))), InputError),
+    "slot_mapping longer than tokens": (
+        lambda a: a.update(slot_mapping=torch.cat((a["slot_mapping"], a["slot_mapping"][:1]))),
+        InputError,
+    ),
     "slot_mapping 2-D": (lambda a: a.update(slot_mapping=a["slot_mapping"].view(N, 1)), InputError),
     "positions int32": (lambda a: a.update(positions=a["positions"].int()), InputError),
     "positions shorter than tokens": (lambda a: a.update(positions=a["positions"][:-1]), InputError),
     "positions float": (lambda a: a.update(positions=a["positions"].float()), InputError),
     "cos_sin_cache bf16": (lambda a: a.update(cos_sin_cache=a["cos_sin_cache"].bfloat16()), InputError),
-    "cos_sin_cache rope dim 32": (lambda a: a.update(cos_sin_cache=a["cos_sin_cache"][:, :32].contiguous()), (InputError, UnsupportedError)),
-    "cos_sin_cache not contiguous": (lambda a: a.update(cos_sin_cache=a["cos_sin_cache"].t().contiguous().t()), InputError),
+    "cos_sin_cache rope dim 32": (
+        lambda a: a.update(cos_sin_cache=a["cos_sin_cache"][:, :32].contiguous()),
+        (InputError, UnsupportedError),
+    ),
+    "cos_sin_cache not contiguous": (
+        lambda a: a.update(cos_sin_cache=a["cos_sin_cache"].t().contiguous().t()),
+        InputError,
+    ),
     "eps negative": (lambda a: a.update(eps=-1.0), InputError),
     "unknown cache format": (lambda a: a.update(cache_format="fp9"), (AttnPrologueError, KeyError)),
     "format for another head dim": (lambda a: a.update(cache_format="mxfp4"), (InputError, UnsupportedError)),
-    "fp8_tensor without kv_scale": (lambda a: a.update(cache_format="fp8_tensor", k_cache=torch.zeros(4, BS * 512, dtype=torch.uint8, device=a["k_cache"].device)), InputError),
+    "fp8_tensor without kv_scale": (
+        lambda a: a.update(
+            cache_format="fp8_tensor",
+            k_cache=torch.zeros(4, BS * 512, dtype=torch.uint8, device=a["k_cache"].device),
+        ),
+        InputError,
+    ),
 }
 
 CUDA_ONLY = {

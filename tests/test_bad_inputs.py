@@ -1,19 +1,27 @@
 """Bad input never corrupts state: every case raises a typed error before anything is written
 (CPU: the torch op's reference implementation, which validates with the same checks as CUDA)."""
 
-import pytest
-import torch
-
 import attn_prologue as ap
 import attn_prologue.torch_op  # noqa: F401  (registers torch.ops.attn_prologue)
+import pytest
+import torch
 
 from .bad_inputs import CASES, snapshot, unchanged, valid
 
 
 def call(args):
     torch.ops.attn_prologue.qnorm_rope_kv_insert(
-        args["q_in"], args["kv"], args["q_out"], args["k_cache"], args["slot_mapping"], args["positions"],
-        args["cos_sin_cache"], args["eps"], args["block_size"], args["cache_format"])
+        args["q_in"],
+        args["kv"],
+        args["q_out"],
+        args["k_cache"],
+        args["slot_mapping"],
+        args["positions"],
+        args["cos_sin_cache"],
+        args["eps"],
+        args["block_size"],
+        args["cache_format"],
+    )
 
 
 def test_matrix_has_at_least_30_cases():
@@ -24,7 +32,10 @@ def test_valid_call_passes_and_writes():
     args = valid("cpu")
     before = snapshot(args)
     call(args)
-    assert unchanged(before, args) == ["q_out", "k_cache"] or set(unchanged(before, args)) == {"q_out", "k_cache"}
+    assert unchanged(before, args) == ["q_out", "k_cache"] or set(unchanged(before, args)) == {
+        "q_out",
+        "k_cache",
+    }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -53,11 +53,20 @@ def test_build_covers_every_axis_on_every_target():
     assert set(by_target) == set(compiler.TARGETS)
     for target, vs in by_target.items():
         assert {v.cache_format for v in vs} == set(FORMATS), target
-        assert {(v.op, v.q_out) for v in vs} == {(Op.QKV, QOut.IO), (Op.QKV, QOut.FP8), (Op.KV, QOut.IO), (Op.KV_NORM, QOut.IO)}
+        assert {(v.op, v.q_out) for v in vs} == {
+            (Op.QKV, QOut.IO),
+            (Op.QKV, QOut.FP8),
+            (Op.KV, QOut.IO),
+            (Op.KV_NORM, QOut.IO),
+        }
         assert {v.io_dtype for v in vs} == {v.io_dtype for v in variant_space()}
         assert {v.head_dim for v in vs} == {512, 128}
     assert {(v.arch.value, v.conversions.value) for v in VARIANTS} == {
-        ("sm90", "portable"), ("sm100", "native"), ("sm100", "portable"), ("sm120", "native"), ("sm120", "portable")
+        ("sm90", "portable"),
+        ("sm100", "native"),
+        ("sm100", "portable"),
+        ("sm120", "native"),
+        ("sm120", "portable"),
     }
 
 
@@ -101,7 +110,7 @@ def _ptx(built: Built, key: KernelKey) -> str:
 def test_build_reports_every_kernel(built):
     assert f"build: {len(VARIANTS)} variants" in built.output
     assert f"build: {len(ENTRIES)} kernels ready" in built.output
-    table = built.output[built.output.index("target "):]
+    table = built.output[built.output.index("target ") :]
     for target in compiler.TARGETS:
         assert re.search(rf"^{target}\s+{sum(k.target == target for _, k in ENTRIES)}\s", table, re.M), target
 
@@ -112,7 +121,11 @@ def test_every_variant_is_built_for_every_target_it_claims(built):
         keys = [k for w, k in ENTRIES if w == v]
         default = registry.DEFAULT_CONFIGS[v.arch.value]
         defaults = [k for k in keys if k.config.key == default]
-        assert sorted(k.target for k in defaults) == sorted(v.arch.targets) == sorted(registry.TARGETS[v.arch.value])
+        assert (
+            sorted(k.target for k in defaults)
+            == sorted(v.arch.targets)
+            == sorted(registry.TARGETS[v.arch.value])
+        )
         tuned = build.tuned_configs()
         for k in keys:
             meta = _meta(built, k)
@@ -159,7 +172,9 @@ def expected_store_bits(v: Variant) -> set[int]:
 
 
 def _widths(meta: dict, prefix: str) -> set[int]:
-    return {int(k.rsplit(".", 1)[1]) for k in meta["ptx"]["global_access_bits"] if k.rsplit(".", 1)[0] == prefix}
+    return {
+        int(k.rsplit(".", 1)[1]) for k in meta["ptx"]["global_access_bits"] if k.rsplit(".", 1)[0] == prefix
+    }
 
 
 @pytest.mark.slow
@@ -178,7 +193,9 @@ def test_global_accesses_are_128_bit(built, v, key):
     # the other loads are scalars: slot and position (int64), kv_scale / q_scale (float32); cos/sin
     # (and rows without streaming) take the plain path when not read-only
     assert _widths(meta, "ld") == scalars | (set() if cfg.non_coherent else {128})
-    n_128 = sum(n for k, n in facts["global_access_bits"].items() if k.startswith("ld") and k.endswith(".128"))
+    n_128 = sum(
+        n for k, n in facts["global_access_bits"].items() if k.startswith("ld") and k.endswith(".128")
+    )
     assert n_128 >= expected_min_128bit_loads(v)
     # stores: q_out rows and 128-bit pad zeros (streaming when configured), 8-value cache vectors, scale bytes / words
     stores = _widths(meta, "st") | _widths(meta, "st.cs")
@@ -263,7 +280,15 @@ def _instructions(ptx: str) -> list[dict]:
         for d in dests:
             rest = rest.replace(d, "", 1)
         addr = re.search(r"\[([^\]]*)\]", text)
-        out.append({"op": op, "args": text, "dests": dests, "uses": _REG.findall(rest), "addr": _REG.findall(addr.group(1)) if addr else []})
+        out.append(
+            {
+                "op": op,
+                "args": text,
+                "dests": dests,
+                "uses": _REG.findall(rest),
+                "addr": _REG.findall(addr.group(1)) if addr else [],
+            }
+        )
     return out
 
 
@@ -317,11 +342,15 @@ def address_problems(ptx: str) -> tuple[int, list[str]]:
                 if re.fullmatch(r"-?\d+|0x[0-9a-fA-F]+", o):
                     factor = 1 << int(o, 0) if y["op"].startswith("shl") else abs(int(o, 0))
                     if factor >= 64:
-                        problems.append(f"{where}: `{y['op']} {y['args']}` scales a token index by {factor} in 32 bits")
+                        problems.append(
+                            f"{where}: `{y['op']} {y['args']}` scales a token index by {factor} in 32 bits"
+                        )
                 elif o.startswith("%") and o not in taint:
                     sources = [ins[i]["op"] for i in defs.get(o, ())]
                     if not sources or not all(re.fullmatch(r"ld\.param\.[bsu]32", s) for s in sources):
-                        problems.append(f"{where}: `{y['op']} {y['args']}` multiplies a token index by {o} ({sources}) in 32 bits")
+                        problems.append(
+                            f"{where}: `{y['op']} {y['args']}` multiplies a token index by {o} ({sources}) in 32 bits"
+                        )
     return checked, problems
 
 
@@ -345,15 +374,27 @@ _PTX_HEAD = """.version 9.0
 _PTX_TAIL = "\tld.global.nc.v4.b32 \t{%r3, %r4, %r5, %r6}, [%rd3];\n\tret;\n}\n"
 PTX_CASES = {
     # row index widened, then times the 64-bit stride: fine
-    "widened": ("\tcvt.s64.s32 \t%rd2, %r1;\n\tmul.lo.s64 \t%rd4, %rd2, %rd5;\n\tadd.s64 \t%rd3, %rd1, %rd4;\n", 0),
+    "widened": (
+        "\tcvt.s64.s32 \t%rd2, %r1;\n\tmul.lo.s64 \t%rd4, %rd2, %rd5;\n\tadd.s64 \t%rd3, %rd1, %rd4;\n",
+        0,
+    ),
     # index math in 32 bits (x 2 warps, x heads), then a 64-bit multiply by the row bytes: fine
-    "index_math": ("\tshl.b32 \t%r2, %r1, 1;\n\tmul.lo.s32 \t%r7, %r2, %r9;\n\tmul.wide.s32 \t%rd4, %r7, 256;\n\tadd.s64 \t%rd3, %rd1, %rd4;\n", 0),
+    "index_math": (
+        "\tshl.b32 \t%r2, %r1, 1;\n\tmul.lo.s32 \t%r7, %r2, %r9;\n\tmul.wide.s32 \t%rd4, %r7, 256;\n\tadd.s64 \t%rd3, %rd1, %rd4;\n",
+        0,
+    ),
     # the overflow seen in the probe: token index * 256 bytes in 32 bits
     "shl_b32": ("\tshl.b32 \t%r2, %r1, 8;\n\tcvt.u64.u32 \t%rd2, %r2;\n\tadd.s64 \t%rd3, %rd1, %rd2;\n", 2),
     # a 64-bit stride truncated to 32 bits and multiplied there (then widened)
-    "truncated_stride": ("\tcvt.u32.u64 \t%r7, %rd5;\n\tmul.lo.s32 \t%r2, %r1, %r7;\n\tmul.wide.s32 \t%rd4, %r2, 2;\n\tadd.s64 \t%rd3, %rd1, %rd4;\n", 1),
+    "truncated_stride": (
+        "\tcvt.u32.u64 \t%r7, %rd5;\n\tmul.lo.s32 \t%r2, %r1, %r7;\n\tmul.wide.s32 \t%rd4, %r2, 2;\n\tadd.s64 \t%rd3, %rd1, %rd4;\n",
+        1,
+    ),
     # lane offsets in 32 bits are not token offsets
-    "lane_offset": ("\tshl.b32 \t%r2, %r8, 4;\n\tcvt.u64.u32 \t%rd2, %r2;\n\tadd.s64 \t%rd3, %rd1, %rd2;\n", None),
+    "lane_offset": (
+        "\tshl.b32 \t%r2, %r8, 4;\n\tcvt.u64.u32 \t%rd2, %r2;\n\tadd.s64 \t%rd3, %rd1, %rd2;\n",
+        None,
+    ),
 }
 
 
@@ -432,7 +473,9 @@ def parse_graph(path: Path) -> tuple[dict, list[dict]]:
         if line.startswith("build "):
             words = _ninja_words(line[len("build ") :])
             colon = words.index(_COLON)
-            edges.append({"outputs": words[:colon], "rule": words[colon + 1], "inputs": words[colon + 2 :], "vars": {}})
+            edges.append(
+                {"outputs": words[:colon], "rule": words[colon + 1], "inputs": words[colon + 2 :], "vars": {}}
+            )
         elif line.startswith("  ") and edges and "=" in line:
             name, _, value = line.strip().partition(" = ")
             edges[-1]["vars"][name] = value
@@ -467,12 +510,16 @@ def _check_graph(root: Path, keys: list[tuple[Variant, KernelKey]]):
     run = [sys.executable, "-m", "ninja", "-C", str(graph.parent), "-f", graph.name, "-t"]
     targets = subprocess.run(run + ["targets", "all"], capture_output=True, text=True, check=True).stdout
     assert sorted(line.rsplit(": ", 1)[0] for line in targets.splitlines()) == sorted(expected)
-    commands = subprocess.run(run + ["commands"], capture_output=True, text=True, check=True).stdout.splitlines()
+    commands = subprocess.run(
+        run + ["commands"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     assert len(commands) == len(edges)
     prefix = [sys.executable, "-m", "attn_prologue", "compile-entries", "--cache-dir", str(root)]
     argvs = [shlex.split(c) for c in commands]
     assert all(argv[: len(prefix)] == prefix for argv in argvs), argvs[0][: len(prefix)]
-    assert sorted(argv[len(prefix) :] for argv in argvs) == sorted(shlex.split(e["vars"]["entries"]) for e in edges)
+    assert sorted(argv[len(prefix) :] for argv in argvs) == sorted(
+        shlex.split(e["vars"]["entries"]) for e in edges
+    )
     return edges
 
 
@@ -484,8 +531,15 @@ def test_full_build_graph_is_complete(tmp_path):
     pairs = {(v.name, k.target) for v, k in keys}
     assert pairs == {(n, t) for n in manifest for t in registry.TARGETS[registry.VARIANTS[n][6]]}
     assert len(pairs) == 352
-    assert len(keys) == len({(k.variant, k.target, k.config.key) for _, k in keys}) == 352 + sum(
-        len(cs - {build.ARCH_SPECS[registry.VARIANTS[v][6]].default_config}) for (v, _), cs in build.tuned_configs().items())
+    assert (
+        len(keys)
+        == len({(k.variant, k.target, k.config.key) for _, k in keys})
+        == 352
+        + sum(
+            len(cs - {build.ARCH_SPECS[registry.VARIANTS[v][6]].default_config})
+            for (v, _), cs in build.tuned_configs().items()
+        )
+    )
     build.write_graph(KernelCache(root), keys, root / "build" / "build.ninja")
     edges = _check_graph(root, keys)
     assert len(edges) == len({build.shard_of(v) for v, _ in keys})
@@ -637,7 +691,15 @@ def test_loading_built_entries_compiles_nothing(built):
     spec = {"root": str(built.root), "keys": keys, "missing": (CHEAP.variant, other.key, CHEAP.target)}
     env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", LOADER], input=json.dumps(spec), capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", LOADER],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -655,7 +717,11 @@ def test_loading_built_entries_compiles_nothing(built):
 
 
 # ---- every launch knob compiles on every arch ------------------------------------------------------
-KNOB_VARIANTS = ["qkv_d512r64_fp8_ds_mla_bf16_sm90", "qkv_d512r64_fp8_ds_mla_bf16_sm100", "qkv_d512r64_fp8_ds_mla_bf16_sm120"]
+KNOB_VARIANTS = [
+    "qkv_d512r64_fp8_ds_mla_bf16_sm90",
+    "qkv_d512r64_fp8_ds_mla_bf16_sm100",
+    "qkv_d512r64_fp8_ds_mla_bf16_sm120",
+]
 
 
 @pytest.mark.slow
@@ -664,8 +730,20 @@ def test_every_launch_knob_compiles_on_every_arch(tmp_path):
     SM120 too, with the knobs visible in the PTX and no local memory."""
     from tests.gpu.cases import CONFIG_KEYS
 
-    cmd = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir", str(tmp_path), "--targets", "sm_90a,sm_100a,sm_120a",
-           "--config", ",".join(CONFIG_KEYS), "--variants", *KNOB_VARIANTS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "attn_prologue",
+        "build",
+        "--cache-dir",
+        str(tmp_path),
+        "--targets",
+        "sm_90a,sm_100a,sm_120a",
+        "--config",
+        ",".join(CONFIG_KEYS),
+        "--variants",
+        *KNOB_VARIANTS,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     cache = KernelCache(tmp_path)
@@ -680,6 +758,9 @@ def test_every_launch_knob_compiles_on_every_arch(tmp_path):
             ptx = (cache.entry_dir(k) / "kernel.ptx").read_text()
             assert_config_in_ptx(ptx, cfg)
             assert ("ld.global.nc" in ptx) == cfg.non_coherent
-            assert meta["ptx"]["local_memory"] is False and meta["resources"]["frame_bytes"] == 0, (variant, key)
+            assert meta["ptx"]["local_memory"] is False and meta["resources"]["frame_bytes"] == 0, (
+                variant,
+                key,
+            )
             ptxs[key] = ptx
         assert len(set(ptxs.values())) == len(CONFIG_KEYS)  # every knob changes the code

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import jinja2
 import pytest
-
 from attn_prologue import compiler, kernel_cache, launch
 from attn_prologue.codegen import generate, render, variants
 from attn_prologue.codegen.variants import (
@@ -46,7 +45,10 @@ def test_check_passes_on_checked_in_tree():
 
 def test_cli_check_exits_zero_on_checked_in_tree():
     proc = subprocess.run(
-        [sys.executable, "-m", "attn_prologue", "generate", "--check"], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "attn_prologue", "generate", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "up to date" in proc.stdout
@@ -96,7 +98,9 @@ def test_check_reports_a_missing_file(generated_copy):
 
 
 def test_check_reports_an_extra_file(generated_copy):
-    (generated_copy / "kernels" / "qkv_d64r64_bogus_bf16_sm90.py").write_text("# left over from an old variant\n")
+    (generated_copy / "kernels" / "qkv_d64r64_bogus_bf16_sm90.py").write_text(
+        "# left over from an old variant\n"
+    )
     ok, report = generate.check(generated_copy)
     assert not ok
     assert "extra:   generated/kernels/qkv_d64r64_bogus_bf16_sm90.py" in report.splitlines()
@@ -241,7 +245,9 @@ def test_names_are_unique_over_the_supported_space():
         supported = [v for v in vs if unsupported_reason(v) is None]
         assert len(supported) <= 1, name
         if len(vs) > 1:  # the one alias: an SM90 module is the portable one, "native" does not exist there
-            assert {v.conversions for v in vs} == set(Conversions) and not vs[0].arch.has_native_block_conversions
+            assert {v.conversions for v in vs} == set(Conversions) and not vs[
+                0
+            ].arch.has_native_block_conversions
     for v in space[::7]:
         assert parse_name(v.name) == v
 
@@ -275,7 +281,12 @@ def test_cache_key_changes_with_variant_config_and_target():
     assert all(launch.LaunchConfig.from_key(c.key) == c for c in configs)
     assert len({c.key for c in configs}) == len(configs)
     for f in dataclasses.fields(launch.LaunchConfig):
-        changed = [c for c in configs if [x.name for x in dataclasses.fields(c) if getattr(c, x.name) != getattr(cfg, x.name)] == [f.name]]
+        changed = [
+            c
+            for c in configs
+            if [x.name for x in dataclasses.fields(c) if getattr(c, x.name) != getattr(cfg, x.name)]
+            == [f.name]
+        ]
         assert changed, f"no supported config differs from the default in {f.name} only"
         for c in changed:
             assert _relpath(base.name, c, "sm_120a") != key, f.name
@@ -317,7 +328,9 @@ def test_cache_key_changes_with_the_dsl_version(monkeypatch, fresh_fingerprints)
     real_version = compiler.importlib.metadata.version
     for pkg in compiler.DSL_PACKAGES:
         monkeypatch.setattr(
-            compiler.importlib.metadata, "version", lambda p, pkg=pkg: "0.0.0.dev0" if p == pkg else real_version(p)
+            compiler.importlib.metadata,
+            "version",
+            lambda p, pkg=pkg: "0.0.0.dev0" if p == pkg else real_version(p),
         )
         compiler.dsl_fingerprint.cache_clear()
         assert _relpath(name, cfg, "sm_120a") != real, pkg
@@ -341,12 +354,32 @@ def test_every_dropped_combination_is_explained():
 @pytest.mark.parametrize(
     "variant, words",
     [
-        (Variant(Op.KV, QOut.IO, 320, 64, "bf16", IoDtype.BF16, ArchFamily.SM90, Conversions.PORTABLE), ["head_dim=320"]),
-        (Variant(Op.KV, QOut.IO, 512, 60, "bf16", IoDtype.BF16, ArchFamily.SM90, Conversions.PORTABLE), ["rope_dim=60"]),
-        (Variant(Op.KV, QOut.IO, 128, 64, "fp8_ds_mla", IoDtype.BF16, ArchFamily.SM90, Conversions.PORTABLE), ["fp8_ds_mla", "D=128"]),
-        (Variant(Op.KV, QOut.FP8, 128, 64, "bf16", IoDtype.BF16, ArchFamily.SM90, Conversions.PORTABLE), ["kv", "FP8"]),
-        (Variant(Op.KV, QOut.IO, 128, 64, "mxfp4", IoDtype.BF16, ArchFamily.SM90, Conversions.NATIVE), ["sm90", "native"]),
-        (Variant(Op.KV, QOut.IO, 128, 64, "bf16", IoDtype.BF16, ArchFamily.SM120, Conversions.PORTABLE), ["bf16", "portable"]),
+        (
+            Variant(Op.KV, QOut.IO, 320, 64, "bf16", IoDtype.BF16, ArchFamily.SM90, Conversions.PORTABLE),
+            ["head_dim=320"],
+        ),
+        (
+            Variant(Op.KV, QOut.IO, 512, 60, "bf16", IoDtype.BF16, ArchFamily.SM90, Conversions.PORTABLE),
+            ["rope_dim=60"],
+        ),
+        (
+            Variant(
+                Op.KV, QOut.IO, 128, 64, "fp8_ds_mla", IoDtype.BF16, ArchFamily.SM90, Conversions.PORTABLE
+            ),
+            ["fp8_ds_mla", "D=128"],
+        ),
+        (
+            Variant(Op.KV, QOut.FP8, 128, 64, "bf16", IoDtype.BF16, ArchFamily.SM90, Conversions.PORTABLE),
+            ["kv", "FP8"],
+        ),
+        (
+            Variant(Op.KV, QOut.IO, 128, 64, "mxfp4", IoDtype.BF16, ArchFamily.SM90, Conversions.NATIVE),
+            ["sm90", "native"],
+        ),
+        (
+            Variant(Op.KV, QOut.IO, 128, 64, "bf16", IoDtype.BF16, ArchFamily.SM120, Conversions.PORTABLE),
+            ["bf16", "portable"],
+        ),
     ],
 )
 def test_unsupported_reason_names_the_cause(variant, words):
@@ -374,14 +407,31 @@ def test_supported_space_has_exactly_the_expected_axes():
     def shape(v):
         return (v.op, v.q_out, v.head_dim, v.rope_dim, v.cache_format, v.io_dtype)
 
-    primary = {(a, c): {shape(v) for v in space if (v.arch, v.conversions) == (a, c)} for a, c in
-               [(ArchFamily.SM90, Conversions.PORTABLE), (ArchFamily.SM100, Conversions.NATIVE), (ArchFamily.SM120, Conversions.NATIVE)]}
+    primary = {
+        (a, c): {shape(v) for v in space if (v.arch, v.conversions) == (a, c)}
+        for a, c in [
+            (ArchFamily.SM90, Conversions.PORTABLE),
+            (ArchFamily.SM100, Conversions.NATIVE),
+            (ArchFamily.SM120, Conversions.NATIVE),
+        ]
+    }
     first = next(iter(primary.values()))
     assert all(s == first for s in primary.values())  # every arch family offers the same 64 ops
-    assert {(o, q) for o, q, *_ in first} == {(Op.QKV, QOut.IO), (Op.QKV, QOut.FP8), (Op.KV, QOut.IO), (Op.KV_NORM, QOut.IO)}
+    assert {(o, q) for o, q, *_ in first} == {
+        (Op.QKV, QOut.IO),
+        (Op.QKV, QOut.FP8),
+        (Op.KV, QOut.IO),
+        (Op.KV_NORM, QOut.IO),
+    }
     assert {(f, d, r) for _, _, d, r, f, _ in first} == {
-        ("fp8_ds_mla", 512, 64), ("mxfp8", 512, 64), ("fp8_token", 128, 64), ("mxfp4", 128, 64),
-        ("bf16", 512, 64), ("bf16", 128, 64), ("fp8_tensor", 512, 64), ("fp8_tensor", 128, 64),
+        ("fp8_ds_mla", 512, 64),
+        ("mxfp8", 512, 64),
+        ("fp8_token", 128, 64),
+        ("mxfp4", 128, 64),
+        ("bf16", 512, 64),
+        ("bf16", 128, 64),
+        ("fp8_tensor", 512, 64),
+        ("fp8_tensor", 128, 64),
     }
     assert {s[5] for s in first} == set(IoDtype)
     assert len(first) == 4 * 8 * 2
@@ -405,7 +455,16 @@ def test_manifest_registry_and_modules_agree():
     assert modules == names
     for name, row in registry.VARIANTS.items():
         v = parse_name(name)
-        assert row[:8] == (v.op.value, v.q_out.value, v.head_dim, v.rope_dim, v.cache_format, v.io_dtype.value, v.arch.value, v.conversions.value)
+        assert row[:8] == (
+            v.op.value,
+            v.q_out.value,
+            v.head_dim,
+            v.rope_dim,
+            v.cache_format,
+            v.io_dtype.value,
+            v.arch.value,
+            v.conversions.value,
+        )
         assert row[8] in registry.SIGNATURES
     assert registry.TARGETS == {f.value: f.targets for f in ArchFamily}
 

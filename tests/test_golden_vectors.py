@@ -19,8 +19,9 @@ import struct
 
 import pytest
 import torch
-
-from attn_prologue import codecs, numerics as nx, reference as ref
+from attn_prologue import codecs
+from attn_prologue import numerics as nx
+from attn_prologue import reference as ref
 from attn_prologue.formats import FORMATS, get_format
 
 NAN = float("nan")
@@ -59,8 +60,9 @@ def encode(name: str, x: torch.Tensor, kv_scale=None):
     return data, scale
 
 
-def insert_and_read(name: str, x: torch.Tensor, d: int, block_size: int, slot: int, page_pad: int,
-                    kv_scale=None):
+def insert_and_read(
+    name: str, x: torch.Tensor, d: int, block_size: int, slot: int, page_pad: int, kv_scale=None
+):
     """insert_kv one token into a poisoned cache; return (page bytes of its block, data, scale)
     read back at the offsets of spec/formats.md (computed here from the hand table below)."""
     db, sb = HAND_BYTES[name](d)
@@ -69,12 +71,12 @@ def insert_and_read(name: str, x: torch.Tensor, d: int, block_size: int, slot: i
     cache = torch.full((nblocks, page), 0xA5, dtype=torch.uint8)
     ref.insert_kv(cache, get_format(name), x, torch.tensor([slot]), block_size, kv_scale)
     blk, o = divmod(slot, block_size)
-    data = cache[blk, o * db:(o + 1) * db]
-    scale = cache[blk, block_size * db + o * sb: block_size * db + (o + 1) * sb]
+    data = cache[blk, o * db : (o + 1) * db]
+    scale = cache[blk, block_size * db + o * sb : block_size * db + (o + 1) * sb]
     # Every other byte of the cache still holds the poison.
     touched = torch.zeros_like(cache, dtype=torch.bool)
-    touched[blk, o * db:(o + 1) * db] = True
-    touched[blk, block_size * db + o * sb: block_size * db + (o + 1) * sb] = True
+    touched[blk, o * db : (o + 1) * db] = True
+    touched[blk, block_size * db + o * sb : block_size * db + (o + 1) * sb] = True
     assert (cache[~touched] == 0xA5).all()
     return data, scale
 
@@ -93,8 +95,14 @@ HAND_BYTES = {
 
 def test_format_table_matches_spec():
     """formats.py byte counts equal the spec table (584 / 528 / 132 / 68 / 2D / D)."""
-    for name, d in (("fp8_ds_mla", 512), ("mxfp8", 512), ("fp8_token", 128), ("mxfp4", 128),
-                    ("bf16", 96), ("fp8_tensor", 96)):
+    for name, d in (
+        ("fp8_ds_mla", 512),
+        ("mxfp8", 512),
+        ("fp8_token", 128),
+        ("mxfp4", 128),
+        ("bf16", 96),
+        ("fp8_tensor", 96),
+    ):
         fmt = get_format(name)
         db, sb = HAND_BYTES[name](d)
         assert (fmt.data_bytes(d), fmt.scale_bytes(d)) == (db, sb), name
@@ -146,20 +154,28 @@ def test_e4m3_scalar_table():
 
 
 E2M1_TABLE = [
-    (0.0, 0x0), (-0.0, 0x8),
+    (0.0, 0x0),
+    (-0.0, 0x8),
     (0.25, 0x0),  # tie 0 (code 0) / 0.5 (code 1) -> even code 0
-    (0.26, 0x1), (0.74, 0x1),
+    (0.26, 0x1),
+    (0.74, 0x1),
     (0.75, 0x2),  # tie 0.5 (1) / 1.0 (2) -> 2
     (1.25, 0x2),  # tie 1.0 (2) / 1.5 (3) -> 2
     (1.75, 0x4),  # tie 1.5 (3) / 2.0 (4) -> 4
     (2.5, 0x4),  # tie 2 (4) / 3 (5) -> 4
     (3.5, 0x6),  # tie 3 (5) / 4 (6) -> 6
     (5.0, 0x6),  # tie 4 (6) / 6 (7) -> 6
-    (5.01, 0x7), (6.0, 0x7),
-    (7.0, 0x7), (1e30, 0x7), (INF, 0x7),  # saturate to 6
-    (-7.0, 0xF), (-INF, 0xF),  # saturate to -6 (sign bit 0x8)
-    (-0.75, 0xA), (-0.1, 0x8),  # -0.1 -> -0: sign kept
-    (NAN, 0x7), (NEG_NAN, 0x7),  # e2m1 has no NaN: stored as +6
+    (5.01, 0x7),
+    (6.0, 0x7),
+    (7.0, 0x7),
+    (1e30, 0x7),
+    (INF, 0x7),  # saturate to 6
+    (-7.0, 0xF),
+    (-INF, 0xF),  # saturate to -6 (sign bit 0x8)
+    (-0.75, 0xA),
+    (-0.1, 0x8),  # -0.1 -> -0: sign kept
+    (NAN, 0x7),
+    (NEG_NAN, 0x7),  # e2m1 has no NaN: stored as +6
 ]
 
 
@@ -283,30 +299,47 @@ def test_fp8_ds_mla_nan_inf():
     so the scale byte is 127 + 127 = 254 (the largest finite UE8M0, not the NaN code 255), and the
     elements are scaled by 2^-126 (e clamped to 126 for the multiplier only): Inf saturates to
     448, finite values flush to +-0. Decoded: 448 * 2^127 overflows to +-Inf, the rest is 0."""
-    x = f32_row(512, {
-        # block 0: NaN ignored by amax -> amax 3 -> e = -7 -> byte 120.
-        0: NAN, 1: 3.0, 2: -1.0,
-        # block 1: +Inf -> e = 127 (saturated) -> byte 254.
-        64: INF, 65: 1.0, 66: -INF, 67: NAN, 68: 1e30, 69: -5.0,
-        # tail
-        448: NAN, 449: INF, 450: -INF,
-    })
+    x = f32_row(
+        512,
+        {
+            # block 0: NaN ignored by amax -> amax 3 -> e = -7 -> byte 120.
+            0: NAN,
+            1: 3.0,
+            2: -1.0,
+            # block 1: +Inf -> e = 127 (saturated) -> byte 254.
+            64: INF,
+            65: 1.0,
+            66: -INF,
+            67: NAN,
+            68: 1e30,
+            69: -5.0,
+            # tail
+            448: NAN,
+            449: INF,
+            450: -INF,
+        },
+    )
     x[0, 128:192] = NAN  # block 2 all NaN -> amax 0 -> floor -> byte 105; all bytes 0x7F
     data, scale = encode("fp8_ds_mla", x)
-    want = byte_row(576, {
-        0: 0x7F,  # NaN
-        1: 0x7C,  # 3 * 128 = 384
-        2: 0xF0,  # -1 * 128 = -128 = -2^7: 1 1110 000
-        64: 0x7E,  # Inf * 2^-126 = Inf -> saturate 448
-        65: 0x00,  # 2^-126 -> 0
-        66: 0xFE,  # -Inf -> -448
-        67: 0x7F,  # NaN
-        68: 0x00,  # 1e30 * 2^-126 = 1.2e-8 -> 0
-        69: 0x80,  # -5 * 2^-126 -> -0
-        # 448, 449: bf16 NaN, checked below (the NaN payload is not pinned, see is_bf16_nan)
-        450: 0x80, 451: 0x7F,  # bf16 +Inf 0x7F80
-        452: 0x80, 453: 0xFF,  # bf16 -Inf 0xFF80
-    })
+    want = byte_row(
+        576,
+        {
+            0: 0x7F,  # NaN
+            1: 0x7C,  # 3 * 128 = 384
+            2: 0xF0,  # -1 * 128 = -128 = -2^7: 1 1110 000
+            64: 0x7E,  # Inf * 2^-126 = Inf -> saturate 448
+            65: 0x00,  # 2^-126 -> 0
+            66: 0xFE,  # -Inf -> -448
+            67: 0x7F,  # NaN
+            68: 0x00,  # 1e30 * 2^-126 = 1.2e-8 -> 0
+            69: 0x80,  # -5 * 2^-126 -> -0
+            # 448, 449: bf16 NaN, checked below (the NaN payload is not pinned, see is_bf16_nan)
+            450: 0x80,
+            451: 0x7F,  # bf16 +Inf 0x7F80
+            452: 0x80,
+            453: 0xFF,  # bf16 -Inf 0xFF80
+        },
+    )
     for i in range(128, 192):
         want[i] = 0x7F
     got = data[0].tolist()
@@ -329,7 +362,7 @@ def test_fp8_ds_mla_kv_rope_insert_end_to_end():
     d, r, bs = 512, 64, 2
     cs = torch.zeros(2, r, dtype=torch.float32)
     cs[0, : r // 2] = 1.0  # pos 0: cos 1, sin 0
-    cs[1, r // 2:] = 1.0  # pos 1: cos 0, sin 1
+    cs[1, r // 2 :] = 1.0  # pos 1: cos 0, sin 1
     kv = torch.zeros(3, d, dtype=torch.bfloat16)
     kv[0, 0] = 3.0  # block 0 amax 3 -> byte 120, 384 -> 0x7C
     kv[0, 448], kv[0, 449] = 1.0, 2.0  # pos 0: unchanged -> 0x3F80, 0x4000
@@ -348,8 +381,20 @@ def test_fp8_ds_mla_kv_rope_insert_end_to_end():
         assert cache[1, 576:1152].tolist() == want0
         assert cache[1, 1160:1168].tolist() == [120, 105, 105, 105, 105, 105, 105, 0]
         # row 1 at block 0: data [0, 576), scale [1152, 1160)
-        want1 = byte_row(576, {64: 0x7E, 448: 0x00, 449: 0xC0, 450: 0x80, 451: 0x3F,
-                               452: 0x80, 453: 0x3E, 454: 0x00, 455: 0x3F})
+        want1 = byte_row(
+            576,
+            {
+                64: 0x7E,
+                448: 0x00,
+                449: 0xC0,
+                450: 0x80,
+                451: 0x3F,
+                452: 0x80,
+                453: 0x3E,
+                454: 0x00,
+                455: 0x3F,
+            },
+        )
         assert cache[0, 0:576].tolist() == want1
         assert cache[0, 1152:1160].tolist() == [105, 127, 105, 105, 105, 105, 105, 0]
         # untouched: block 0 token 1 records, block 1 token 0 records, the page padding
@@ -362,20 +407,44 @@ def test_fp8_ds_mla_kv_rope_insert_end_to_end():
 # mxfp8: 512 e4m3 (16 blocks of 32, rope dims quantized too) | 16 UE8M0, no pad
 # =============================================================================================
 def test_mxfp8_golden():
-    x = f32_row(512, {
-        # block 0 (0..31): zero -> byte 105
-        32: 448.0, 33: 2.0**-9,  # block 1: amax 448 -> e = 0 -> 127; 0x7E, 0x01
-        64: 896.0, 65: 3.0,  # block 2: amax 896 -> e = 1 -> 128; 448 -> 0x7E, 1.5 -> 0x3C
-        96: 3.0, 97: 1.0,  # block 3: amax 3 -> e = -7 -> 120; 384 -> 0x7C, 128 -> 0x70
-        384: NAN, 385: 448.0,  # block 12: NaN ignored -> amax 448 -> 127; 0x7F, 0x7E
-        416: INF, 417: 2.0,  # block 13: Inf -> e = 127 (saturated) -> 254; 0x7E, 2*2^-126 -> 0
-        # block 15 (480..511) holds rope dims, quantized like the rest:
-        480: 1.0, 481: -0.5,  # amax 1 -> 1/448 = 0.002232 -> log2 = -8.807 -> e = -8 -> 119;
-        # 1 * 256 = 2^8 -> 0 1111 000 = 0x78; -0.5 * 256 = -128 -> 1 1110 000 = 0xF0
-    })
+    x = f32_row(
+        512,
+        {
+            # block 0 (0..31): zero -> byte 105
+            32: 448.0,
+            33: 2.0**-9,  # block 1: amax 448 -> e = 0 -> 127; 0x7E, 0x01
+            64: 896.0,
+            65: 3.0,  # block 2: amax 896 -> e = 1 -> 128; 448 -> 0x7E, 1.5 -> 0x3C
+            96: 3.0,
+            97: 1.0,  # block 3: amax 3 -> e = -7 -> 120; 384 -> 0x7C, 128 -> 0x70
+            384: NAN,
+            385: 448.0,  # block 12: NaN ignored -> amax 448 -> 127; 0x7F, 0x7E
+            416: INF,
+            417: 2.0,  # block 13: Inf -> e = 127 (saturated) -> 254; 0x7E, 2*2^-126 -> 0
+            # block 15 (480..511) holds rope dims, quantized like the rest:
+            480: 1.0,
+            481: -0.5,  # amax 1 -> 1/448 = 0.002232 -> log2 = -8.807 -> e = -8 -> 119;
+            # 1 * 256 = 2^8 -> 0 1111 000 = 0x78; -0.5 * 256 = -128 -> 1 1110 000 = 0xF0
+        },
+    )
     data, scale = encode("mxfp8", x)
-    want = byte_row(512, {32: 0x7E, 33: 0x01, 64: 0x7E, 65: 0x3C, 96: 0x7C, 97: 0x70,
-                          384: 0x7F, 385: 0x7E, 416: 0x7E, 417: 0x00, 480: 0x78, 481: 0xF0})
+    want = byte_row(
+        512,
+        {
+            32: 0x7E,
+            33: 0x01,
+            64: 0x7E,
+            65: 0x3C,
+            96: 0x7C,
+            97: 0x70,
+            384: 0x7F,
+            385: 0x7E,
+            416: 0x7E,
+            417: 0x00,
+            480: 0x78,
+            481: 0xF0,
+        },
+    )
     assert data.shape == (1, 512) and data[0].tolist() == want
     want_scale = [105, 127, 128, 120] + [105] * 8 + [127, 254, 105, 119]
     assert scale[0].tolist() == want_scale
@@ -437,29 +506,63 @@ def test_fp8_token_golden(case):
 # mxfp4: 64 bytes packed e2m1 (element 2j low nibble) | 4 UE8M0; e = clamp(ceil(log2(amax/6)))
 # =============================================================================================
 def test_mxfp4_golden():
-    x = f32_row(128, {
-        # block 0: amax 6 -> 6/6 = 1 -> e = 0 -> byte 127
-        0: 0.25, 1: 0.75,  # codes 0, 2 -> byte 0 = 0x20 (element 0 in the low nibble)
-        2: 1.25, 3: 1.75,  # 2, 4 -> 0x42
-        4: 2.5, 5: 3.5,  # 4, 6 -> 0x64
-        6: 5.0, 7: 6.0,  # 6, 7 -> 0x76
-        8: -0.25, 9: -0.75,  # 0x8 (-0), 0xA -> 0xA8
-        10: -5.0, 11: -6.0,  # 0xE, 0xF -> 0xFE
-        12: 0.26, 13: 0.74,  # 1, 1 -> 0x11
-        14: 1.0, 15: 0.5,  # 2, 1 -> 0x12
-        16: 3.0, 17: 4.0,  # 5, 6 -> 0x65
-        18: 1.5, 19: 2.0,  # 3, 4 -> 0x43
-        # block 1: amax 12 -> 2 -> e = 1 -> byte 128; values / 2
-        32: 12.0, 33: 1.0,  # 6 -> 7, 0.5 -> 1 -> byte 16 = 0x17
-        34: 7.0, 35: -3.0,  # 3.5 -> tie -> 6; -1.5 -> 0xB -> byte 17 = 0xB6
-        # block 2 (64..95): zero -> amax floor 6 * 2^-126 -> r = 2^-126 -> e = -126 -> byte 1
-        # block 3: amax 1 -> 1/6 = 0.1667 -> log2 = -2.585 -> e = -2 -> byte 125; values * 4
-        96: 1.0, 97: 0.3,  # 4 -> 6; 1.2 -> 2 (1.0) -> byte 48 = 0x26
-        98: -0.125, 99: 0.0625,  # -0.5 -> 0x9; 0.25 -> tie -> 0 -> byte 49 = 0x09
-    })
+    x = f32_row(
+        128,
+        {
+            # block 0: amax 6 -> 6/6 = 1 -> e = 0 -> byte 127
+            0: 0.25,
+            1: 0.75,  # codes 0, 2 -> byte 0 = 0x20 (element 0 in the low nibble)
+            2: 1.25,
+            3: 1.75,  # 2, 4 -> 0x42
+            4: 2.5,
+            5: 3.5,  # 4, 6 -> 0x64
+            6: 5.0,
+            7: 6.0,  # 6, 7 -> 0x76
+            8: -0.25,
+            9: -0.75,  # 0x8 (-0), 0xA -> 0xA8
+            10: -5.0,
+            11: -6.0,  # 0xE, 0xF -> 0xFE
+            12: 0.26,
+            13: 0.74,  # 1, 1 -> 0x11
+            14: 1.0,
+            15: 0.5,  # 2, 1 -> 0x12
+            16: 3.0,
+            17: 4.0,  # 5, 6 -> 0x65
+            18: 1.5,
+            19: 2.0,  # 3, 4 -> 0x43
+            # block 1: amax 12 -> 2 -> e = 1 -> byte 128; values / 2
+            32: 12.0,
+            33: 1.0,  # 6 -> 7, 0.5 -> 1 -> byte 16 = 0x17
+            34: 7.0,
+            35: -3.0,  # 3.5 -> tie -> 6; -1.5 -> 0xB -> byte 17 = 0xB6
+            # block 2 (64..95): zero -> amax floor 6 * 2^-126 -> r = 2^-126 -> e = -126 -> byte 1
+            # block 3: amax 1 -> 1/6 = 0.1667 -> log2 = -2.585 -> e = -2 -> byte 125; values * 4
+            96: 1.0,
+            97: 0.3,  # 4 -> 6; 1.2 -> 2 (1.0) -> byte 48 = 0x26
+            98: -0.125,
+            99: 0.0625,  # -0.5 -> 0x9; 0.25 -> tie -> 0 -> byte 49 = 0x09
+        },
+    )
     data, scale = encode("mxfp4", x)
-    want = byte_row(64, {0: 0x20, 1: 0x42, 2: 0x64, 3: 0x76, 4: 0xA8, 5: 0xFE, 6: 0x11, 7: 0x12,
-                         8: 0x65, 9: 0x43, 16: 0x17, 17: 0xB6, 48: 0x26, 49: 0x09})
+    want = byte_row(
+        64,
+        {
+            0: 0x20,
+            1: 0x42,
+            2: 0x64,
+            3: 0x76,
+            4: 0xA8,
+            5: 0xFE,
+            6: 0x11,
+            7: 0x12,
+            8: 0x65,
+            9: 0x43,
+            16: 0x17,
+            17: 0xB6,
+            48: 0x26,
+            49: 0x09,
+        },
+    )
     assert data.shape == (1, 64) and data[0].tolist() == want
     assert scale[0].tolist() == [127, 128, 1, 125]
     vals, _ = codecs.decode_tokens(get_format("mxfp4"), data, scale, 128)
@@ -473,14 +576,22 @@ def test_mxfp4_golden():
 def test_mxfp4_nan_inf():
     """Inf: e = 127 (saturated, and the mxfp4 clamp) -> byte 254; multiplier 2^-126; Inf -> +6 (0x7), -Inf -> 0xF;
     NaN (either sign) -> 0x7 (+6); amax ignores NaN."""
-    x = f32_row(128, {
-        0: INF, 1: -INF,  # 0x7, 0xF -> byte 0 = 0xF7
-        2: NAN, 3: -1.0,  # 0x7, -2^-126 -> -0 = 0x8 -> byte 1 = 0x87
-        4: 1e30, 5: 0.0,  # 1e30 * 2^-126 -> 0; 0 -> byte 2 = 0x00
-        6: NEG_NAN, 7: -0.0,  # 0x7, 0x8 -> byte 3 = 0x87
-        # block 1: NaN ignored, amax 1.5 -> 0.25 -> e = -2 -> byte 125; NaN -> 7, 6 -> 7: 0x77
-        32: NAN, 33: 1.5,
-    })
+    x = f32_row(
+        128,
+        {
+            0: INF,
+            1: -INF,  # 0x7, 0xF -> byte 0 = 0xF7
+            2: NAN,
+            3: -1.0,  # 0x7, -2^-126 -> -0 = 0x8 -> byte 1 = 0x87
+            4: 1e30,
+            5: 0.0,  # 1e30 * 2^-126 -> 0; 0 -> byte 2 = 0x00
+            6: NEG_NAN,
+            7: -0.0,  # 0x7, 0x8 -> byte 3 = 0x87
+            # block 1: NaN ignored, amax 1.5 -> 0.25 -> e = -2 -> byte 125; NaN -> 7, 6 -> 7: 0x77
+            32: NAN,
+            33: 1.5,
+        },
+    )
     data, scale = encode("mxfp4", x)
     assert data[0].tolist() == byte_row(64, {0: 0xF7, 1: 0x87, 2: 0x00, 3: 0x87, 16: 0x77})
     assert scale[0].tolist() == [254, 125, 1, 1]
@@ -501,14 +612,22 @@ def test_bf16_golden():
     assert is_bf16_nan(got[10], got[11])
     got[10] = got[11] = None
     assert got == [
-        0x80, 0x3F,  # 1.0 = 0x3F80
-        0x00, 0xC0,  # -2.0 = 0xC000
-        0x49, 0x40,  # 3.140625 = 0x4049
-        0x80, 0x3F,  # 1 + 2^-8: tie -> even 0x3F80
-        0x82, 0x3F,  # 1 + 3 * 2^-8: tie -> even 0x3F82
-        None, None,  # NaN: any bf16 NaN (payload not pinned, see is_bf16_nan)
-        0x80, 0xFF,  # -Inf = 0xFF80
-        0x00, 0x80,  # -0 = 0x8000
+        0x80,
+        0x3F,  # 1.0 = 0x3F80
+        0x00,
+        0xC0,  # -2.0 = 0xC000
+        0x49,
+        0x40,  # 3.140625 = 0x4049
+        0x80,
+        0x3F,  # 1 + 2^-8: tie -> even 0x3F80
+        0x82,
+        0x3F,  # 1 + 3 * 2^-8: tie -> even 0x3F82
+        None,
+        None,  # NaN: any bf16 NaN (payload not pinned, see is_bf16_nan)
+        0x80,
+        0xFF,  # -Inf = 0xFF80
+        0x00,
+        0x80,  # -0 = 0x8000
     ]
     vals, _ = codecs.decode_tokens(get_format("bf16"), data, scale, 8)
     assert vals[0, :5].tolist() == [1.0, -2.0, 3.140625, 1.0, 1 + 2.0**-6]
@@ -550,8 +669,7 @@ def test_fp8_tensor_golden():
 # =============================================================================================
 # Record placement with page padding, all formats
 # =============================================================================================
-FMT_D = {"fp8_ds_mla": 512, "mxfp8": 512, "fp8_token": 128, "mxfp4": 128, "bf16": 64,
-         "fp8_tensor": 64}
+FMT_D = {"fp8_ds_mla": 512, "mxfp8": 512, "fp8_token": 128, "mxfp4": 128, "bf16": 64, "fp8_tensor": 64}
 
 
 @pytest.mark.parametrize("name", sorted(FMT_D))
@@ -577,8 +695,8 @@ def test_record_placement(name, strided_view):
     data, scale = codecs.encode_tokens(fmt, x, kv_scale)
     expect = before.clone()
     for row, (blk, o) in ((0, (2, 3)), (1, (0, 1)), (3, (1, 0))):
-        expect[blk, o * db:(o + 1) * db] = data[row]
-        expect[blk, bs * db + o * sb: bs * db + (o + 1) * sb] = scale[row]
+        expect[blk, o * db : (o + 1) * db] = data[row]
+        expect[blk, bs * db + o * sb : bs * db + (o + 1) * sb] = scale[row]
     assert torch.equal(base, expect)
     # and the bytes were really changed where written (random data vs random poison)
     assert not torch.equal(base, before)
@@ -617,8 +735,7 @@ def test_kv_values_are_rounded_before_quantization():
     kv[0, 448] = 1.0
     for order in ("kernel", "eager"):
         cache = torch.full((1, 528 + 16), 0xA5, dtype=torch.uint8)
-        ref.kv_rope_insert(kv, cache, torch.tensor([0]), torch.tensor([0]), cs, bs, "mxfp8",
-                           order=order)
+        ref.kv_rope_insert(kv, cache, torch.tensor([0]), torch.tensor([0]), cs, bs, "mxfp8", order=order)
         assert cache[0, 448].item() == 0x78
         assert cache[0, 449].item() == 0x00
         assert cache[0, 512 + 14].item() == 119

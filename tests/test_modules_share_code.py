@@ -13,25 +13,28 @@ import ast
 import difflib
 import re
 import sys
-from pathlib import Path
 
 import pytest
-
 from attn_prologue.codegen import generate
-from attn_prologue.codegen.variants import ArchFamily, Conversions, variant_space
+from attn_prologue.codegen.variants import ArchFamily, variant_space
 
 KERNELS = generate.default_out_dir() / "kernels"
 
 BLOCKS = {
     "conversions": (re.compile(r"^# ---- conversions: "), re.compile(r"^# ---- end conversions ")),
-    "launch defaults": (re.compile(r"^# ---- launch defaults: "), re.compile(r"^# ---- end launch defaults ")),
+    "launch defaults": (
+        re.compile(r"^# ---- launch defaults: "),
+        re.compile(r"^# ---- end launch defaults "),
+    ),
 }
 IDENTITY_LINES = {  # name -> pattern of the whole line; each must occur exactly once
     "VARIANT": re.compile(r'^VARIANT = "[a-z0-9_]+"$'),
     "ARCH_FAMILY": re.compile(r'^ARCH_FAMILY = "sm\d+"$'),
     "CONVERSIONS": re.compile(r'^CONVERSIONS = "(native|portable)"$'),
     "TARGETS": re.compile(r"^TARGETS = \(('sm_\d+a',\s*)+('sm_\d+a')?\)$"),
-    "docstring arch line": re.compile(r"^Arch family sm\d+ \(targets [sm_0-9a, ]+\), (native|portable) conversions\.$"),
+    "docstring arch line": re.compile(
+        r"^Arch family sm\d+ \(targets [sm_0-9a, ]+\), (native|portable) conversions\.$"
+    ),
 }
 
 
@@ -62,7 +65,7 @@ def split_regions(name: str) -> tuple[str, dict[str, str]]:
     first = f'"""{name}: '
     starts = [i for i, line in enumerate(lines) if line.startswith(first)]
     assert len(starts) == 1, f"{name}: no docstring line starting with {first!r}"
-    lines[starts[0]] = '"""{VARIANT}: ' + lines[starts[0]][len(first):]
+    lines[starts[0]] = '"""{VARIANT}: ' + lines[starts[0]][len(first) :]
     for label, pattern in IDENTITY_LINES.items():
         hits = [i for i, line in enumerate(lines) if pattern.match(line)]
         assert len(hits) == 1, f"{name}: expected one {label} line, found {len(hits)}"
@@ -81,7 +84,9 @@ def _assert_same_outside_regions(a: str, b: str):
     shared_a, _ = split_regions(a)
     shared_b, _ = split_regions(b)
     if shared_a != shared_b:
-        diff = "\n".join(difflib.unified_diff(shared_a.splitlines(), shared_b.splitlines(), a, b, lineterm="", n=1))
+        diff = "\n".join(
+            difflib.unified_diff(shared_a.splitlines(), shared_b.splitlines(), a, b, lineterm="", n=1)
+        )
         pytest.fail(f"{a} and {b} differ outside the arch-specific regions:\n{diff[:4000]}")
 
 
@@ -89,7 +94,9 @@ def test_every_shape_has_an_sm90_sm100_and_sm120_module():
     assert len(SHAPES) == 64
     for shape in SHAPES:
         mods = MODULES[shape]
-        assert ("sm90", "portable") in mods and ("sm100", "native") in mods and ("sm120", "native") in mods, shape
+        assert ("sm90", "portable") in mods and ("sm100", "native") in mods and ("sm120", "native") in mods, (
+            shape
+        )
         assert ("sm90", "native") not in mods
 
 
@@ -100,7 +107,9 @@ PAIRS = [(shape, other) for shape in SHAPES for other in OTHERS if other in MODU
 def test_portable_modules_exist_exactly_for_formats_with_arch_conversions():
     for shape in SHAPES:
         has = {other for other in OTHERS if other in MODULES[shape]}
-        expected = set(OTHERS) if shape[4] in ("fp8_ds_mla", "mxfp8", "fp8_token", "mxfp4") else set(OTHERS[:2])
+        expected = (
+            set(OTHERS) if shape[4] in ("fp8_ds_mla", "mxfp8", "fp8_token", "mxfp4") else set(OTHERS[:2])
+        )
         assert has == expected, shape
     assert len(PAIRS) == 64 * 2 + 32 * 2
 
@@ -134,10 +143,14 @@ def code_strings(block: str) -> str:
     docstrings = {
         id(node.body[0].value)
         for node in ast.walk(tree)
-        if isinstance(node, (ast.FunctionDef, ast.Module)) and node.body and isinstance(node.body[0], ast.Expr)
+        if isinstance(node, (ast.FunctionDef, ast.Module))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
     }
     return "\n".join(
-        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
     )
 
 

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 import torch._dynamo
-
 from attn_prologue import reference as ref
 from attn_prologue.formats import get_format
 
@@ -20,8 +19,9 @@ def make_cos_sin(max_pos: int, r: int, base: float = 10000.0) -> torch.Tensor:
     return torch.cat((ang.cos(), ang.sin()), dim=1).float()
 
 
-def make_inputs(seed: int, fmt_name: str, d: int, r: int, n: int, m: int, h: int, p: int,
-                bs: int, nblocks: int, pad: int):
+def make_inputs(
+    seed: int, fmt_name: str, d: int, r: int, n: int, m: int, h: int, p: int, bs: int, nblocks: int, pad: int
+):
     g = torch.Generator().manual_seed(seed)
     q_in = (torch.randn(n, h, d, generator=g) * 3).to(torch.bfloat16)
     kv = (torch.randn(n, d + 32, generator=g) * 2).to(torch.bfloat16)[:, :d]  # row stride > D
@@ -41,8 +41,9 @@ def make_inputs(seed: int, fmt_name: str, d: int, r: int, n: int, m: int, h: int
     q_out = torch.full((n + 2, p, d), math.nan, dtype=torch.bfloat16)
     tail = (torch.randn(2, p, d, generator=g) * 100).to(torch.bfloat16)
     q_out[n:] = tail
-    return dict(q_in=q_in, kv=kv, positions=positions, slots=slots, cache_base=cache_base,
-                q_out=q_out, used=used)
+    return dict(
+        q_in=q_in, kv=kv, positions=positions, slots=slots, cache_base=cache_base, q_out=q_out, used=used
+    )
 
 
 def _run_pair(fn, compiled, inp):
@@ -77,8 +78,9 @@ def test_qnorm_rope_kv_insert_compiled_equals_eager(fmt_name, d, r, order):
     bs, eps = 4, 1e-6
 
     def op(q_in, kv, q_out, k_cache, slots, positions):
-        ref.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cs, eps, bs,
-                                 fmt_name, order=order)
+        ref.qnorm_rope_kv_insert(
+            q_in, kv, q_out, k_cache, slots, positions, cs, eps, bs, fmt_name, order=order
+        )
 
     compiled = torch.compile(op, fullgraph=True)
     n, m, h, p = 6, 5, 3, 4  # DP padding (M < N), one pad head
@@ -103,8 +105,7 @@ def test_kv_rope_insert_with_norm_compiled_equals_eager():
     weight = (1 + 0.25 * torch.randn(d, generator=g)).to(torch.bfloat16)
 
     def op(q_in, kv, q_out, k_cache, slots, positions):  # q_in / q_out unused (KV-only op)
-        ref.kv_rope_insert(kv, k_cache, slots, positions, cs, bs, "fp8_token",
-                           norm_weight=weight, eps=1e-6)
+        ref.kv_rope_insert(kv, k_cache, slots, positions, cs, bs, "fp8_token", norm_weight=weight, eps=1e-6)
 
     compiled = torch.compile(op, fullgraph=True)
     for seed in (3, 4):

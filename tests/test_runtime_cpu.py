@@ -3,12 +3,10 @@ database (round trip, merge, mismatch and corruption), and the config heuristic,
 
 import dataclasses
 import json
-import warnings
-
-import pytest
-import torch
 
 import attn_prologue as ap
+import pytest
+import torch
 from attn_prologue import dispatch, ops, tuning
 from attn_prologue.errors import ScratchError, UnsupportedError
 from attn_prologue.generated import registry
@@ -25,29 +23,53 @@ def test_capabilities_map_to_families_and_targets():
         dispatch.target_for_capability(8, 0)
 
 
-@pytest.mark.parametrize("arch,conv", [("sm90", None), ("sm100", None), ("sm120", None), ("sm120", "portable")])
+@pytest.mark.parametrize(
+    "arch,conv", [("sm90", None), ("sm100", None), ("sm120", None), ("sm120", "portable")]
+)
 def test_every_registered_combination_is_selected_by_its_key(arch, conv):
-    rows = [(n, r) for n, r in registry.VARIANTS.items() if r[6] == arch and r[7] == (conv or dispatch.default_conversions(arch))]
+    rows = [
+        (n, r)
+        for n, r in registry.VARIANTS.items()
+        if r[6] == arch and r[7] == (conv or dispatch.default_conversions(arch))
+    ]
     assert rows
     for name, (op, q_out, d, r, fmt, dt, _, _, _) in rows:
-        got = dispatch.select_variant(arch=arch, op=op, head_dim=d, rope_dim=r, cache_format=fmt, io_dtype=dt,
-                                      q_out=q_out, conversions=conv)
+        got = dispatch.select_variant(
+            arch=arch,
+            op=op,
+            head_dim=d,
+            rope_dim=r,
+            cache_format=fmt,
+            io_dtype=dt,
+            q_out=q_out,
+            conversions=conv,
+        )
         assert got == name
 
 
 def test_portable_request_for_a_format_without_arch_conversions_uses_the_single_module():
-    name = dispatch.select_variant(arch="sm120", op="kv", head_dim=512, rope_dim=64, cache_format="bf16",
-                                   io_dtype="bf16", conversions="portable")
+    name = dispatch.select_variant(
+        arch="sm120",
+        op="kv",
+        head_dim=512,
+        rope_dim=64,
+        cache_format="bf16",
+        io_dtype="bf16",
+        conversions="portable",
+    )
     assert name == "kv_d512r64_bf16_bf16_sm120"
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("head_dim", 96, "head_dim=96 is not available here; available: 512"),
-    ("cache_format", "mxfp4", "head_dim=512 is not available here; available: 128"),
-    ("io_dtype", "fp32", "io_dtype=fp32 is not available here; available: bf16, fp16"),
-    ("op", "qkv_plus", "op=qkv_plus is not available here"),
-    ("rope_dim", 32, "rope_dim=32 is not available here; available: 64"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("head_dim", 96, "head_dim=96 is not available here; available: 512"),
+        ("cache_format", "mxfp4", "head_dim=512 is not available here; available: 128"),
+        ("io_dtype", "fp32", "io_dtype=fp32 is not available here; available: bf16, fp16"),
+        ("op", "qkv_plus", "op=qkv_plus is not available here"),
+        ("rope_dim", 32, "rope_dim=32 is not available here; available: 64"),
+    ],
+)
 def test_unsupported_combinations_name_the_alternatives(field, value, needle):
     req = dict(arch="sm120", op="qkv", head_dim=512, rope_dim=64, cache_format="fp8_ds_mla", io_dtype="bf16")
     req[field] = value
@@ -58,8 +80,15 @@ def test_unsupported_combinations_name_the_alternatives(field, value, needle):
 
 def test_native_conversions_are_not_offered_on_sm90():
     with pytest.raises(UnsupportedError, match="conversions=native"):
-        dispatch.select_variant(arch="sm90", op="qkv", head_dim=512, rope_dim=64, cache_format="fp8_ds_mla",
-                                io_dtype="bf16", conversions="native")
+        dispatch.select_variant(
+            arch="sm90",
+            op="qkv",
+            head_dim=512,
+            rope_dim=64,
+            cache_format="fp8_ds_mla",
+            io_dtype="bf16",
+            conversions="native",
+        )
 
 
 def test_default_configs_and_heuristic():
@@ -86,14 +115,18 @@ def test_pool_accounting_views_lock_and_does_not_fit():
     pool = ap.ScratchPool()
     added = pool.reserve(max_tokens=16, padded_heads=8, head_dim=128, micro_batches=2, device="cpu")
     assert added == pool.reserved_bytes == 2 * 16 * 8 * 128 * 2
-    assert pool.reserve(max_tokens=8, padded_heads=8, head_dim=128, micro_batches=2, device="cpu") == 0  # fits
+    assert (
+        pool.reserve(max_tokens=8, padded_heads=8, head_dim=128, micro_batches=2, device="cpu") == 0
+    )  # fits
     buf0 = pool.buffer(padded_heads=8, head_dim=128, micro_batch=0, device="cpu")
     buf1 = pool.buffer(padded_heads=8, head_dim=128, micro_batch=1, device="cpu")
     assert buf0.data_ptr() != buf1.data_ptr() and not buf0.any() and not buf1.any()  # zeroed once
     pool.lock()
     v = pool.view(5, padded_heads=8, head_dim=128, micro_batch=1, device="cpu")
     assert v.shape == (5, 8, 128) and v.data_ptr() == buf1.data_ptr()
-    assert pool.view(5, padded_heads=8, head_dim=128, micro_batch=1, device="cpu") is v  # cached, no new tensor
+    assert (
+        pool.view(5, padded_heads=8, head_dim=128, micro_batch=1, device="cpu") is v
+    )  # cached, no new tensor
     with pytest.raises(ScratchError, match="do not fit the locked scratch pool"):
         pool.view(17, padded_heads=8, head_dim=128, device="cpu")
     with pytest.raises(ScratchError, match="locked"):
@@ -119,11 +152,19 @@ def test_pool_grows_before_lock_and_keeps_zero_once_ownership():
 
 
 # ---- tuning database -----------------------------------------------------------------------------
-ENV = tuning.Environment(gpu="NVIDIA H200", sms=132, capability="9.0", driver="13000", package="0.1.0", dsl="abc")
+ENV = tuning.Environment(
+    gpu="NVIDIA H200", sms=132, capability="9.0", driver="13000", package="0.1.0", dsl="abc"
+)
 
 
 def entry(bucket, config, **over):
-    e = {**ENV.as_dict(), "variant": "qkv_d512r64_fp8_ds_mla_bf16_sm90", "bucket": bucket, "config": config, "us": 1.0}
+    e = {
+        **ENV.as_dict(),
+        "variant": "qkv_d512r64_fp8_ds_mla_bf16_sm90",
+        "bucket": bucket,
+        "config": config,
+        "us": 1.0,
+    }
     e.update(over)
     return e
 
@@ -140,21 +181,35 @@ def test_database_round_trip_merge_and_lookup(tmp_path):
     again.merge([entry(64, "w16_u1_pdl1_nc0"), entry(2048, "w4_u1_pdl1_nc1")])
     assert len(again.entries) == 3
     table = again.table_for(ENV)
-    assert table[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == {(64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0")}
+    assert table[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == {
+        (64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0")
+    }
     assert json.loads(path.read_text())["format"] == tuning.DB_FORMAT
     # entries tuned at other head counts are kept beside it, not merged over it
-    again.merge([entry(64, "w4_u1_pdl1_nc1", heads=16, padded_heads=16), entry(64, "w2_u2_pdl0_nc0", heads=8, padded_heads=64)])
+    again.merge(
+        [
+            entry(64, "w4_u1_pdl1_nc1", heads=16, padded_heads=16),
+            entry(64, "w2_u2_pdl0_nc0", heads=8, padded_heads=64),
+        ]
+    )
     assert again.table_for(ENV)[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == {
-        (64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0"), (16, 16): LaunchConfig.from_key("w4_u1_pdl1_nc1"),
-        (8, 64): LaunchConfig.from_key("w2_u2_pdl0_nc0")}
+        (64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0"),
+        (16, 16): LaunchConfig.from_key("w4_u1_pdl1_nc1"),
+        (8, 64): LaunchConfig.from_key("w2_u2_pdl0_nc0"),
+    }
 
 
 def test_lookup_takes_the_nearest_tuned_head_counts():
-    a, b, c, d = (LaunchConfig.from_key(k) for k in ("w4_u1_pdl1_nc1", "w8_u1_pdl1_nc1", "w2_u1_pdl1_nc1", "w16_u1_pdl0_nc0"))
+    a, b, c, d = (
+        LaunchConfig.from_key(k)
+        for k in ("w4_u1_pdl1_nc1", "w8_u1_pdl1_nc1", "w2_u1_pdl1_nc1", "w16_u1_pdl0_nc0")
+    )
     tuned = {(16, 16): a, (64, 64): b, (128, 128): c, (8, 64): d}  # (live heads, heads written)
     assert [tuning.pick(tuned, h) for h in (16, 64, 128)] == [a, b, c]
     assert tuning.pick(tuned, 8, 64) == d  # pads written: the (8, 64) entry
-    assert tuning.pick(tuned, 8) == a  # zero-once (8 written): log2 distance 1 + 1 to (16, 16), 0 + 3 to (8, 64)
+    assert (
+        tuning.pick(tuned, 8) == a
+    )  # zero-once (8 written): log2 distance 1 + 1 to (16, 16), 0 + 3 to (8, 64)
     assert tuning.pick(tuned, 16, 64) == d  # 1 + 0 from (8, 64), 0 + 2 from (16, 16), 2 + 0 from (64, 64)
     assert tuning.pick(tuned, 32) == b  # 1 + 1 to both (16, 16) and (64, 64): the larger
     assert tuning.pick(tuned, 4096) == c
@@ -163,13 +218,17 @@ def test_lookup_takes_the_nearest_tuned_head_counts():
 
 
 def test_mismatched_environment_is_reported_and_ignored_unless_forced(tmp_path):
-    db = tuning.TuningDatabase([entry(1, "w2_u1_pdl1_nc1", gpu="NVIDIA GB10", sms=48, capability="12.1")], tmp_path / "x")
+    db = tuning.TuningDatabase(
+        [entry(1, "w2_u1_pdl1_nc1", gpu="NVIDIA GB10", sms=48, capability="12.1")], tmp_path / "x"
+    )
     with pytest.warns(tuning.TuningDatabaseWarning, match="no entry matches"):
         assert db.table_for(ENV) == {}
     assert len(db.table_for(ENV, force=True)) == 1
 
 
-@pytest.mark.parametrize("text", ["{not json", '{"format": 99, "entries": []}', '{"format": 1, "entries": [{"variant": "x"}]}'])
+@pytest.mark.parametrize(
+    "text", ["{not json", '{"format": 99, "entries": []}', '{"format": 1, "entries": [{"variant": "x"}]}']
+)
 def test_corrupt_database_is_reported_and_ignored(tmp_path, text):
     p = tmp_path / "db.json"
     p.write_text(text)
@@ -181,7 +240,12 @@ def test_corrupt_database_is_reported_and_ignored(tmp_path, text):
 def test_dispatcher_prefers_the_database_over_the_heuristic(monkeypatch):
     """kernel_for picks the DB entry of the token-count bucket, else the arch default."""
     name = "qkv_d512r64_fp8_ds_mla_bf16_sm90"
-    fake_db = {(name, 64): {(64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0"), (16, 16): LaunchConfig.from_key("w2_u2_pdl0_nc0")}}
+    fake_db = {
+        (name, 64): {
+            (64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0"),
+            (16, 16): LaunchConfig.from_key("w2_u2_pdl0_nc0"),
+        }
+    }
     monkeypatch.setattr(ops, "tuning_table", lambda: fake_db)
     monkeypatch.setattr(ops, "device_target", lambda device: ("sm90", "sm_90a"))
     monkeypatch.setattr(ops.selftest, "resolve", lambda device, n, cfg, target: n)
@@ -198,8 +262,11 @@ def test_dispatcher_prefers_the_database_over_the_heuristic(monkeypatch):
     ops.kernel_for(torch.device("cpu"), n_tokens=50, heads=64, **req)
     ops.kernel_for(torch.device("cpu"), n_tokens=3000, heads=64, **req)
     ops.kernel_for(torch.device("cpu"), n_tokens=64, heads=8, **req)  # nearest tuned head count: 16
-    assert seen == [(name, "w16_u1_pdl1_nc0", "sm_90a"), (name, registry.DEFAULT_CONFIGS["sm90"], "sm_90a"),
-                    (name, "w2_u2_pdl0_nc0", "sm_90a")]
+    assert seen == [
+        (name, "w16_u1_pdl1_nc0", "sm_90a"),
+        (name, registry.DEFAULT_CONFIGS["sm90"], "sm_90a"),
+        (name, "w2_u2_pdl0_nc0", "sm_90a"),
+    ]
 
 
 def test_shipped_database_loads_and_names_valid_configs():
@@ -217,7 +284,9 @@ def test_prune_drops_duplicates_and_invalid_configs_keeping_order():
     a, b = LaunchConfig(4, 1, True, True), LaunchConfig(8, 1, True, True)
     big = LaunchConfig(32, 1, True, True)  # 1024 threads: still valid
     assert tune.prune([a, b, a, big, b]) == [a, b, big]
-    assert len(tune.prune(tune.DEFAULT_SPACE)) == len(tune.DEFAULT_SPACE) == 80  # 64 + 8 register-capped + 8 of them spread
+    assert (
+        len(tune.prune(tune.DEFAULT_SPACE)) == len(tune.DEFAULT_SPACE) == 80
+    )  # 64 + 8 register-capped + 8 of them spread
 
 
 def test_tune_shapes_follow_the_variant():
@@ -233,10 +302,17 @@ def test_tune_entries_take_the_fastest_config_per_bucket():
 
     sweep = tune.Sweep()
     v = "qkv_d512r64_fp8_ds_mla_bf16_sm90"
-    sweep.timings = {(v, 1, "w2_u1_pdl1_nc1"): 1.5, (v, 1, "w4_u1_pdl1_nc1"): 1.4, (v, 64, "w2_u1_pdl1_nc1"): float("inf"),
-                     (v, 64, "w4_u1_pdl1_nc1"): 4.0}
+    sweep.timings = {
+        (v, 1, "w2_u1_pdl1_nc1"): 1.5,
+        (v, 1, "w4_u1_pdl1_nc1"): 1.4,
+        (v, 64, "w2_u1_pdl1_nc1"): float("inf"),
+        (v, 64, "w4_u1_pdl1_nc1"): 4.0,
+    }
     rows = tune.entries(sweep, [v], [1, 64], ENV, 64, 64)
-    assert [(r["bucket"], r["config"], r["us"]) for r in rows] == [(1, "w4_u1_pdl1_nc1", 1.4), (64, "w4_u1_pdl1_nc1", 4.0)]
+    assert [(r["bucket"], r["config"], r["us"]) for r in rows] == [
+        (1, "w4_u1_pdl1_nc1", 1.4),
+        (64, "w4_u1_pdl1_nc1", 4.0),
+    ]
 
 
 def test_target_checker_on_a_synthetic_bench_file():
@@ -245,17 +321,27 @@ def test_target_checker_on_a_synthetic_bench_file():
 
     def result(n, h, p, us, copy_us, compiled_us=None, zero_once=False):
         shape = dataclasses.asdict(bench.Shape(n=n, h=h, p=p, zero_once=zero_once))
-        return {"shape": shape, "op": {"median_us": us}, "copy": {"median_us": copy_us},
-                "compiled": {"median_us": compiled_us} if compiled_us else None}
+        return {
+            "shape": shape,
+            "op": {"median_us": us},
+            "copy": {"median_us": copy_us},
+            "compiled": {"median_us": compiled_us} if compiled_us else None,
+        }
 
-    data = {"results": [
-        result(8192, 16, 16, 100.0, 94.0, compiled_us=300.0),  # 94% of copy: missed
-        result(2048, 64, 64, 100.0, 96.0, compiled_us=150.0),  # 96%: met; 1.5x vs compile: missed
-        result(8, 32, 32, 2.4, 2.0),  # 2.4 us <= 2.5: met
-        result(64, 64, 64, 4.1, 4.0),  # 4.1 us > 4.0: missed
-        result(2048, 8, 64, 40.0, 39.0), result(2048, 8, 64, 10.0, 9.0, zero_once=True),  # 4x: met
-    ], "meta": {"host_overhead": {"bound_op_us": 7.9, "median_us": 8.1},
-                 "host_overhead_end": {"bound_op_us": 8.5, "median_us": 6.0}}}
+    data = {
+        "results": [
+            result(8192, 16, 16, 100.0, 94.0, compiled_us=300.0),  # 94% of copy: missed
+            result(2048, 64, 64, 100.0, 96.0, compiled_us=150.0),  # 96%: met; 1.5x vs compile: missed
+            result(8, 32, 32, 2.4, 2.0),  # 2.4 us <= 2.5: met
+            result(64, 64, 64, 4.1, 4.0),  # 4.1 us > 4.0: missed
+            result(2048, 8, 64, 40.0, 39.0),
+            result(2048, 8, 64, 10.0, 9.0, zero_once=True),  # 4x: met
+        ],
+        "meta": {
+            "host_overhead": {"bound_op_us": 7.9, "median_us": 8.1},
+            "host_overhead_end": {"bound_op_us": 8.5, "median_us": 6.0},
+        },
+    }
     rows = bench.check_targets(data)
     got = {(r["target"].split(":")[0], r["shape"]): r["met"] for r in rows}
     assert got == {

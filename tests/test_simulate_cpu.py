@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from attn_prologue import simulate as sim
 from attn_prologue.cli import main as cli_main
 
@@ -26,13 +25,16 @@ def test_prompt_lengths_are_about_the_length_and_deterministic():
     assert sim.prompt_lengths(3, 100, 0.0) == [100, 100, 100]
 
 
-@pytest.mark.parametrize("prompts,max_tokens,decode", [
-    ([3000, 2950, 3100, 2990], 4096, 8),
-    ([30000, 29000, 31000, 30500, 28800, 30100, 29900, 30700], 32768, 32),
-    ([1, 64, 65, 127, 128, 129], 100, 3),
-    ([500], 4096, 0),
-    ([10, 20, 30], 7, 5),
-])
+@pytest.mark.parametrize(
+    "prompts,max_tokens,decode",
+    [
+        ([3000, 2950, 3100, 2990], 4096, 8),
+        ([30000, 29000, 31000, 30500, 28800, 30100, 29900, 30700], 32768, 32),
+        ([1, 64, 65, 127, 128, 129], 100, 3),
+        ([500], 4096, 0),
+        ([10, 20, 30], 7, 5),
+    ],
+)
 def test_every_prompt_token_scheduled_once_with_correct_positions(prompts, max_tokens, decode):
     schedule, alloc, per_step = run_schedule(prompts, max_tokens, decode)
     seen = {s: [] for s in range(len(prompts))}
@@ -42,7 +44,7 @@ def test_every_prompt_token_scheduled_once_with_correct_positions(prompts, max_t
         assert slots.dtype == positions.dtype == torch.int64
         row = 0
         for c in step.chunks:
-            assert positions[row:row + c.length].tolist() == list(range(c.start, c.start + c.length))
+            assert positions[row : row + c.length].tolist() == list(range(c.start, c.start + c.length))
             seen[c.seq].extend(range(c.start, c.start + c.length))
             row += c.length
     for s, p in enumerate(prompts):
@@ -51,9 +53,11 @@ def test_every_prompt_token_scheduled_once_with_correct_positions(prompts, max_t
     prefill = [st for st in schedule if st.kind == "prefill"]
     decodes = [st for st in schedule if st.kind == "decode"]
     assert len(decodes) == decode
-    assert all(st.kind == "prefill" for st in schedule[:len(prefill)])  # prefills first, then decodes
+    assert all(st.kind == "prefill" for st in schedule[: len(prefill)])  # prefills first, then decodes
     for k, st in enumerate(decodes):
-        assert [(c.seq, c.start, c.length) for c in st.chunks] == [(s, p + k, 1) for s, p in enumerate(prompts)]
+        assert [(c.seq, c.start, c.length) for c in st.chunks] == [
+            (s, p + k, 1) for s, p in enumerate(prompts)
+        ]
     # FCFS chunked prefill fills every prefill step but the last one
     assert all(st.num_tokens == max_tokens for st in prefill[:-1])
     assert sum(st.num_tokens for st in prefill) == sum(prompts)
@@ -84,7 +88,7 @@ def test_slots_are_unique_and_follow_the_block_tables():
     for s, p in enumerate(prompts):
         table = alloc.table(s)
         assert len(table) == sim.blocks_for(p + decode, bs)
-    for step, (slots, positions) in zip(schedule, per_step):
+    for step, (slots, _positions) in zip(schedule, per_step):
         row = 0
         for c in step.chunks:
             for j in range(c.length):
@@ -171,7 +175,9 @@ def test_located_needles_point_at_their_token():
 
 
 def test_memory_budget_arithmetic_for_the_gpu_test():
-    opts = sim.SimOptions(max_num_batched_tokens=4096, seqs=4, prompt_len=3000, layers=4, decode_steps=8, needles=64)
+    opts = sim.SimOptions(
+        max_num_batched_tokens=4096, seqs=4, prompt_len=3000, layers=4, decode_steps=8, needles=64
+    )
     pq = sim.padded_q_bytes(opts)
     assert pq == 4096 * 64 * 512 * 2 == 256 * 2**20
     assert sim.pool_bytes(opts) == 2 * pq
@@ -183,7 +189,9 @@ def test_memory_budget_arithmetic_for_the_gpu_test():
     prompts = sim.prompt_lengths(opts.seqs, opts.prompt_len, opts.prompt_jitter, opts.seed)
     need = sum(sim.blocks_for(p + opts.decode_steps, opts.block_size) for p in prompts)
     block = 64 * 584
-    kv_pool = opts.kv_fraction * (budget - arena - sim.pool_bytes(opts) - 64 * 2**20)  # 64 MiB of allocator rounding
+    kv_pool = opts.kv_fraction * (
+        budget - arena - sim.pool_bytes(opts) - 64 * 2**20
+    )  # 64 MiB of allocator rounding
     assert kv_pool // (opts.layers * block) > 10 * need
 
 

@@ -1,14 +1,13 @@
 """The torch op on CPU: the reference implementation behind the caller-owned schema, equal under
 torch.compile(fullgraph=True), and its mutations survive functionalization without a cache copy."""
 
-import pytest
-import torch
-from torch._dynamo.backends.common import aot_autograd
-from torch._inductor.utils import run_and_get_code
-
 import attn_prologue as ap
 import attn_prologue.torch_op  # noqa: F401
+import pytest
+import torch
 from attn_prologue import reference
+from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.utils import run_and_get_code
 
 N, H, P, D, BS = 6, 4, 8, 512, 16
 
@@ -35,7 +34,8 @@ def test_schema_is_the_caller_owned_one():
     schema = str(torch.ops.attn_prologue.qnorm_rope_kv_insert.default._schema)
     assert schema.startswith(
         "attn_prologue::qnorm_rope_kv_insert(Tensor q_in, Tensor kv, Tensor(a2!) q_out, Tensor(a3!) k_cache, "
-        "Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, float eps, SymInt block_size")
+        "Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, float eps, SymInt block_size"
+    )
     assert schema.endswith("-> ()")
 
 
@@ -79,7 +79,7 @@ def test_inductor_reinplaces_without_copying_the_cache():
     x = inputs(3)
     _, code = run_and_get_code(torch.compile(step, fullgraph=True), *x.values())
     src = code[0]
-    call = src[src.index("def call(self, args)"):]
+    call = src[src.index("def call(self, args)") :]
     assert "torch.ops.attn_prologue.qnorm_rope_kv_insert.default(arg0_1, arg1_1, arg2_1, arg3_1" in call
     for copy in ("clone", "copy_", "empty_strided", "aten.copy"):
         assert copy not in call, f"compiled graph copies something ({copy})"
@@ -89,9 +89,21 @@ def test_kv_rope_insert_op_with_norm_weight():
     x = inputs(4)
     w = (torch.rand(D) + 0.5).bfloat16()
     kc = x["k_cache"].clone()
-    torch.ops.attn_prologue.kv_rope_insert(x["kv"], x["k_cache"], x["slot_mapping"], x["positions"], x["cos_sin_cache"],
-                                           BS, "fp8_ds_mla", w, 1e-6, None)
-    reference.kv_rope_insert(x["kv"], kc, x["slot_mapping"], x["positions"], x["cos_sin_cache"], BS, norm_weight=w)
+    torch.ops.attn_prologue.kv_rope_insert(
+        x["kv"],
+        x["k_cache"],
+        x["slot_mapping"],
+        x["positions"],
+        x["cos_sin_cache"],
+        BS,
+        "fp8_ds_mla",
+        w,
+        1e-6,
+        None,
+    )
+    reference.kv_rope_insert(
+        x["kv"], kc, x["slot_mapping"], x["positions"], x["cos_sin_cache"], BS, norm_weight=w
+    )
     assert torch.equal(kc, x["k_cache"])
 
 

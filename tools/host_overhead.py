@@ -21,13 +21,15 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--after-bench", action="store_true",
-                    help="measure again after timing the bench's target shapes with baselines (what `bench` does "
-                         "before its host measurement), then after gc.freeze()")
+    ap.add_argument(
+        "--after-bench",
+        action="store_true",
+        help="measure again after timing the bench's target shapes with baselines (what `bench` does "
+        "before its host measurement), then after gc.freeze()",
+    )
     a = ap.parse_args()
 
     import torch
-
     from attn_prologue import api, bench, ops
 
     def timed(call) -> float:
@@ -40,8 +42,15 @@ def main() -> None:
     def noop(*_):
         pass
 
-    stub = api.bind(num_heads=shape.h, padded_heads=shape.p, head_dim=shape.head_dim, rope_dim=shape.rope_dim,
-                    cache_format=shape.cache_format, block_size=shape.block_size, pool=bound.pool)
+    stub = api.bind(
+        num_heads=shape.h,
+        padded_heads=shape.p,
+        head_dim=shape.head_dim,
+        rope_dim=shape.rope_dim,
+        cache_format=shape.cache_format,
+        block_size=shape.block_size,
+        pool=bound.pool,
+    )
     stub._calls = [(noop, tail) for _, tail in stub._calls]
     stub(*bargs)
     key = next(k for k in ops._fast_qkv if k[2] == shape.cache_format and k[3] == shape.head_dim)
@@ -82,8 +91,10 @@ def main() -> None:
             bench.run_shape(sh, replays=5)
         out["bench_seconds"] = round(time.perf_counter() - t0, 1)
         out["python_objects_after_bench"] = len(gc.get_objects())
-        out["after_bench"] = measure(f"after the target shapes with baselines ({out['bench_seconds']} s, "
-                                     f"{out['python_objects_after_bench']} Python objects)")
+        out["after_bench"] = measure(
+            f"after the target shapes with baselines ({out['bench_seconds']} s, "
+            f"{out['python_objects_after_bench']} Python objects)"
+        )
         gc.collect()
         gc.freeze()
         out["after_bench_gc_frozen"] = measure("after gc.collect(); gc.freeze()")

@@ -24,8 +24,12 @@ def main() -> None:
     ap.add_argument("--p", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=512)
     ap.add_argument("--format", default="fp8_ds_mla")
-    ap.add_argument("--zero-once", action="store_true", help="pad heads are not written (default: written as zeros)")
-    ap.add_argument("--config", action="append", help="launch config key(s); default: the dispatcher's choice")
+    ap.add_argument(
+        "--zero-once", action="store_true", help="pad heads are not written (default: written as zeros)"
+    )
+    ap.add_argument(
+        "--config", action="append", help="launch config key(s); default: the dispatcher's choice"
+    )
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--ncu", action="store_true", help="launch each case once inside cudaProfilerStart/Stop")
     ap.add_argument("--json")
@@ -33,11 +37,12 @@ def main() -> None:
     sys.argv = sys.argv[:1]  # a module imported below parses sys.argv at import time
 
     import torch
-
     from attn_prologue import bench
     from attn_prologue.launch import LaunchConfig
 
-    shape = bench.Shape(n=a.n, h=a.h, p=a.p, head_dim=a.head_dim, cache_format=a.format, zero_once=a.zero_once)
+    shape = bench.Shape(
+        n=a.n, h=a.h, p=a.p, head_dim=a.head_dim, cache_format=a.format, zero_once=a.zero_once
+    )
     kv_shape = bench.Shape(n=a.n, h=a.h, p=a.p, head_dim=a.head_dim, cache_format=a.format, op="kv")
     nsets = bench.sets_for_cold_l2(shape)
     sets = bench.input_sets(shape, nsets)
@@ -49,8 +54,10 @@ def main() -> None:
         cases[f"op[{tag}]"] = bench.op_fns(shape, sets, config=cfg)
         cases[f"op, slots -1[{tag}]"] = bench.op_fns(shape, skip, config=cfg)
         cases[f"kv only[{tag}]"] = bench.op_fns(kv_shape, sets, config=cfg)
-    if a.p > a.h and not a.zero_once:  # the pad heads alone: torch's fill of q_out[:, H:] and of as many contiguous bytes
-        cases["pads only: q_out[:, H:].zero_()"] = [lambda s=s: s["q_out"][:, a.h:].zero_() for s in sets]
+    if (
+        a.p > a.h and not a.zero_once
+    ):  # the pad heads alone: torch's fill of q_out[:, H:] and of as many contiguous bytes
+        cases["pads only: q_out[:, H:].zero_()"] = [lambda s=s: s["q_out"][:, a.h :].zero_() for s in sets]
         flat = [s["q_out"].view(-1)[: a.n * (a.p - a.h) * a.head_dim] for s in sets]
         cases["pads only: contiguous zero_()"] = [lambda f=f: f.zero_() for f in flat]
     copy = bench.copy_fns(shape.min_bytes(), nsets, "sm")

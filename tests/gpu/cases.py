@@ -8,10 +8,8 @@ untouched cache bytes (other blocks, skipped rows, page padding), q_out pad head
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
-
 from attn_prologue import reference
 from attn_prologue.formats import get_format
 
@@ -22,11 +20,21 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # register cap (the default config has streaming hints: every other GPU test runs them). The GPU suite runs them
 # against the reference; tests/test_build.py compiles them for every arch.
 CONFIG_KEYS = [
-    "w4_u1_pdl1_nc1_spread", "w8_u2_pdl0_nc0_spread", "w2_u4_pdl1_nc1", "w1_u4_pdl0_nc1_spread",
-    "w16_u1_pdl1_nc1_spread", "w4_u2_pdl1_nc1_c4", "w4_u1_pdl1_nc1_c4_spread", "w8_u1_pdl0_nc0_cs_m6",
+    "w4_u1_pdl1_nc1_spread",
+    "w8_u2_pdl0_nc0_spread",
+    "w2_u4_pdl1_nc1",
+    "w1_u4_pdl0_nc1_spread",
+    "w16_u1_pdl1_nc1_spread",
+    "w4_u2_pdl1_nc1_c4",
+    "w4_u1_pdl1_nc1_c4_spread",
+    "w8_u1_pdl0_nc0_cs_m6",
 ]
-CONFIG_VARIANTS = ["qkv_d512r64_fp8_ds_mla_bf16_sm90", "qkv_d128r64_mxfp4_bf16_sm90", "qkv_q8_d128r64_fp8_token_bf16_sm90",
-                   "kv_norm_d512r64_mxfp8_bf16_sm90"]
+CONFIG_VARIANTS = [
+    "qkv_d512r64_fp8_ds_mla_bf16_sm90",
+    "qkv_d128r64_mxfp4_bf16_sm90",
+    "qkv_q8_d128r64_fp8_token_bf16_sm90",
+    "kv_norm_d512r64_mxfp8_bf16_sm90",
+]
 
 
 @dataclass
@@ -39,14 +47,14 @@ class Case:
     cache_format: str = "fp8_ds_mla"
     dtype: str = "bf16"
     block_size: int = 64
-    m: Optional[int] = None  # None: m = n
+    m: int | None = None  # None: m = n
     page_pad: int = 0  # extra bytes per block (page stride larger than the data)
     kv_row_pad: int = 0  # kv is a row slice of a wider tensor with this many extra columns
     extra_rows: int = 3  # q_out rows beyond N (must stay untouched)
     negative_every: int = 0  # every k-th kv row gets slot -1
     scale: float = 1.0  # input magnitude
     zero_rows: int = 0  # first rows of kv (and q) are all zeros
-    num_blocks: Optional[int] = None
+    num_blocks: int | None = None
     q_fp8: bool = False
     op: str = "qkv"
     seed: int = 0
@@ -54,23 +62,27 @@ class Case:
     in_place: bool = False
 
     def __str__(self):
-        return (f"{self.op}-{self.cache_format}-{self.dtype}-D{self.head_dim}-N{self.n}-H{self.h}P{self.p}"
-                f"-bs{self.block_size}" + (f"-M{self.m}" if self.m is not None else "") + ("-q8" if self.q_fp8 else ""))
+        return (
+            f"{self.op}-{self.cache_format}-{self.dtype}-D{self.head_dim}-N{self.n}-H{self.h}P{self.p}"
+            f"-bs{self.block_size}"
+            + (f"-M{self.m}" if self.m is not None else "")
+            + ("-q8" if self.q_fp8 else "")
+        )
 
 
 @dataclass
 class Inputs:
     case: Case
-    q_in: Optional[torch.Tensor]
+    q_in: torch.Tensor | None
     kv: torch.Tensor
-    q_out: Optional[torch.Tensor]
+    q_out: torch.Tensor | None
     k_cache: torch.Tensor
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     cos_sin_cache: torch.Tensor
-    kv_scale: Optional[torch.Tensor] = None
-    q_scale: Optional[torch.Tensor] = None
-    norm_weight: Optional[torch.Tensor] = None
+    kv_scale: torch.Tensor | None = None
+    q_scale: torch.Tensor | None = None
+    norm_weight: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -111,14 +123,28 @@ def make_inputs(c: Case, device="cuda") -> Inputs:
         if c.in_place:
             q_out = q_in
         elif c.q_fp8:
-            q_out = torch.full((c.n + c.extra_rows, c.p, d), 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+            q_out = torch.full((c.n + c.extra_rows, c.p, d), 0x7F, dtype=torch.uint8, device=device).view(
+                torch.float8_e4m3fn
+            )
             q_scale = torch.tensor([0.05], device=device)
         else:
             q_out = torch.full((c.n + c.extra_rows, c.p, d), float("nan"), dtype=dt, device=device)
     kv_scale = torch.tensor([0.02], device=device) if fmt.needs_tensor_scale else None
     norm_weight = (torch.rand(d, generator=g, device=device) + 0.5).to(dt) if c.op == "kv_norm" else None
-    return Inputs(c, q_in, kv, q_out, k_cache, slots, positions, cos_sin, kv_scale, q_scale, norm_weight,
-                  extra={"k_storage": storage})
+    return Inputs(
+        c,
+        q_in,
+        kv,
+        q_out,
+        k_cache,
+        slots,
+        positions,
+        cos_sin,
+        kv_scale,
+        q_scale,
+        norm_weight,
+        extra={"k_storage": storage},
+    )
 
 
 def clone_outputs(x: Inputs) -> Inputs:
@@ -129,20 +155,56 @@ def clone_outputs(x: Inputs) -> Inputs:
     q_in = x.q_in
     if x.case.in_place:
         q_in = q_out = x.q_in.clone()
-    return Inputs(x.case, q_in, x.kv, q_out, k_cache, x.slot_mapping, x.positions, x.cos_sin_cache,
-                  x.kv_scale, x.q_scale, x.norm_weight, extra={"k_storage": storage})
+    return Inputs(
+        x.case,
+        q_in,
+        x.kv,
+        q_out,
+        k_cache,
+        x.slot_mapping,
+        x.positions,
+        x.cos_sin_cache,
+        x.kv_scale,
+        x.q_scale,
+        x.norm_weight,
+        extra={"k_storage": storage},
+    )
 
 
 def run_reference(x: Inputs, order="kernel", write_pad_heads=True) -> Inputs:
     r = clone_outputs(x)
     c = x.case
     if c.op == "qkv":
-        reference.qnorm_rope_kv_insert(r.q_in, r.kv, r.q_out, r.k_cache, r.slot_mapping, r.positions, r.cos_sin_cache,
-                                       1e-6, c.block_size, c.cache_format, kv_scale=r.kv_scale, q_scale=r.q_scale,
-                                       write_pad_heads=write_pad_heads, order=order)
+        reference.qnorm_rope_kv_insert(
+            r.q_in,
+            r.kv,
+            r.q_out,
+            r.k_cache,
+            r.slot_mapping,
+            r.positions,
+            r.cos_sin_cache,
+            1e-6,
+            c.block_size,
+            c.cache_format,
+            kv_scale=r.kv_scale,
+            q_scale=r.q_scale,
+            write_pad_heads=write_pad_heads,
+            order=order,
+        )
     else:
-        reference.kv_rope_insert(r.kv, r.k_cache, r.slot_mapping, r.positions, r.cos_sin_cache, c.block_size,
-                                 c.cache_format, norm_weight=r.norm_weight, eps=1e-6, kv_scale=r.kv_scale, order=order)
+        reference.kv_rope_insert(
+            r.kv,
+            r.k_cache,
+            r.slot_mapping,
+            r.positions,
+            r.cos_sin_cache,
+            c.block_size,
+            c.cache_format,
+            norm_weight=r.norm_weight,
+            eps=1e-6,
+            kv_scale=r.kv_scale,
+            order=order,
+        )
     return r
 
 
@@ -152,12 +214,36 @@ def run_kernel(x: Inputs, write_pad_heads=True, **kw) -> Inputs:
     r = clone_outputs(x)
     c = x.case
     if c.op == "qkv":
-        ops.qnorm_rope_kv_insert(r.q_in, r.kv, r.q_out, r.k_cache, r.slot_mapping, r.positions, r.cos_sin_cache, 1e-6,
-                                 c.block_size, c.cache_format, kv_scale=r.kv_scale, q_scale=r.q_scale,
-                                 write_pad_heads=write_pad_heads, **kw)
+        ops.qnorm_rope_kv_insert(
+            r.q_in,
+            r.kv,
+            r.q_out,
+            r.k_cache,
+            r.slot_mapping,
+            r.positions,
+            r.cos_sin_cache,
+            1e-6,
+            c.block_size,
+            c.cache_format,
+            kv_scale=r.kv_scale,
+            q_scale=r.q_scale,
+            write_pad_heads=write_pad_heads,
+            **kw,
+        )
     else:
-        ops.kv_rope_insert(r.kv, r.k_cache, r.slot_mapping, r.positions, r.cos_sin_cache, c.block_size, c.cache_format,
-                           norm_weight=r.norm_weight, eps=1e-6, kv_scale=r.kv_scale, **kw)
+        ops.kv_rope_insert(
+            r.kv,
+            r.k_cache,
+            r.slot_mapping,
+            r.positions,
+            r.cos_sin_cache,
+            c.block_size,
+            c.cache_format,
+            norm_weight=r.norm_weight,
+            eps=1e-6,
+            kv_scale=r.kv_scale,
+            **kw,
+        )
     return r
 
 
@@ -168,7 +254,9 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 def compare(got: Inputs, want: Inputs) -> dict:
     """Byte-level comparison. Returns counts of differing bytes (all must be 0)."""
     out = {}
-    out["cache_bytes_diff"] = int((got.extra["k_storage"] != want.extra["k_storage"]).sum())  # page padding too
+    out["cache_bytes_diff"] = int(
+        (got.extra["k_storage"] != want.extra["k_storage"]).sum()
+    )  # page padding too
     if got.q_out is not None:
         out["q_out_bytes_diff"] = int((raw(got.q_out) != raw(want.q_out)).sum())
     return out
@@ -179,13 +267,19 @@ def describe_mismatch(got: Inputs, want: Inputs) -> str:
     gc, wc = got.extra["k_storage"], want.extra["k_storage"]
     bad = (gc != wc).nonzero()
     if bad.numel():
-        lines.append(f"cache: {bad.shape[0]} bytes differ; first at {bad[:5].tolist()}: got {gc[tuple(bad[0])].item()} want {wc[tuple(bad[0])].item()}")
+        lines.append(
+            f"cache: {bad.shape[0]} bytes differ; first at {bad[:5].tolist()}: got {gc[tuple(bad[0])].item()} want {wc[tuple(bad[0])].item()}"
+        )
     if got.q_out is not None:
         gq, wq = got.q_out, want.q_out
         if gq.dtype != torch.float8_e4m3fn:
             diff = (gq.float() - wq.float()).abs()
-            diff = torch.where(torch.isnan(gq.float()) & torch.isnan(wq.float()), torch.zeros_like(diff), diff)
-            lines.append(f"q_out: max abs diff {diff.nan_to_num(1e9).max().item():.3g}, bytes differing {int((raw(gq) != raw(wq)).sum())}")
+            diff = torch.where(
+                torch.isnan(gq.float()) & torch.isnan(wq.float()), torch.zeros_like(diff), diff
+            )
+            lines.append(
+                f"q_out: max abs diff {diff.nan_to_num(1e9).max().item():.3g}, bytes differing {int((raw(gq) != raw(wq)).sum())}"
+            )
         else:
             lines.append(f"q_out fp8: bytes differing {int((raw(gq) != raw(wq)).sum())}")
     return "; ".join(lines)

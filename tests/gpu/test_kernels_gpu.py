@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from attn_prologue import dispatch, ops
 from attn_prologue.formats import get_format
-from attn_prologue.launch import LaunchConfig
 from attn_prologue.generated import registry
+from attn_prologue.launch import LaunchConfig
 
-from .cases import CONFIG_KEYS, CONFIG_VARIANTS, Case, compare, describe_mismatch, make_inputs, run_kernel, run_reference
+from .cases import (
+    CONFIG_KEYS,
+    CONFIG_VARIANTS,
+    Case,
+    compare,
+    describe_mismatch,
+    make_inputs,
+    run_kernel,
+    run_reference,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -32,8 +40,14 @@ def check(case: Case, **kw):
 
 def cases_for(name: str) -> list[Case]:
     info = dispatch.variant_info(name)
-    base = dict(head_dim=info.head_dim, rope_dim=info.rope_dim, cache_format=info.cache_format, dtype=info.io_dtype,
-                op=info.op, q_fp8=info.q_out == "fp8")
+    base = dict(
+        head_dim=info.head_dim,
+        rope_dim=info.rope_dim,
+        cache_format=info.cache_format,
+        dtype=info.io_dtype,
+        op=info.op,
+        q_fp8=info.q_out == "fp8",
+    )
     return [
         Case(n=1, h=8, p=16, block_size=16, seed=1, **base),
         Case(n=7, h=16, p=16, block_size=64, negative_every=3, seed=2, **base),
@@ -61,7 +75,9 @@ MAIN = dict(head_dim=512, rope_dim=64, cache_format="fp8_ds_mla", dtype="bf16")
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 64, 513, 4096])
-@pytest.mark.parametrize("hp", [(8, 8), (8, 16), (16, 16), (16, 32), (8, 64), (64, 64), (64, 128), (128, 128)])
+@pytest.mark.parametrize(
+    "hp", [(8, 8), (8, 16), (16, 16), (16, 32), (8, 64), (64, 64), (64, 128), (128, 128)]
+)
 def test_token_counts_and_head_padding(n, hp):
     h, p = hp
     check(Case(n=n, h=h, p=p, block_size=64, negative_every=5 if n > 4 else 0, seed=n + h, **MAIN))
@@ -73,23 +89,75 @@ def test_in_place_p_equals_h():
 
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 def test_block_sizes_page_padding_and_strided_kv(block_size):
-    check(Case(n=700, h=16, p=64, block_size=block_size, page_pad=64 + 16 * block_size, kv_row_pad=128, seed=block_size, **MAIN))
+    check(
+        Case(
+            n=700,
+            h=16,
+            p=64,
+            block_size=block_size,
+            page_pad=64 + 16 * block_size,
+            kv_row_pad=128,
+            seed=block_size,
+            **MAIN,
+        )
+    )
 
 
 def test_dp_padding_and_negative_slots():
     check(Case(n=257, h=64, p=64, m=130, negative_every=4, seed=21, **MAIN))
 
 
-@pytest.mark.parametrize("fmt,d", [("fp8_ds_mla", 512), ("mxfp8", 512), ("fp8_token", 128), ("mxfp4", 128), ("bf16", 512), ("fp8_tensor", 128)])
+@pytest.mark.parametrize(
+    "fmt,d",
+    [
+        ("fp8_ds_mla", 512),
+        ("mxfp8", 512),
+        ("fp8_token", 128),
+        ("mxfp4", 128),
+        ("bf16", 512),
+        ("fp8_tensor", 128),
+    ],
+)
 def test_fp16_and_extreme_values(fmt, d):
     # large values saturate fp8_tensor (scale 0.02) and the fp8 q output; zero rows give all-zero blocks
     for scale in (1e-3, 1.0, 300.0):
-        check(Case(n=65, h=8, p=16, head_dim=d, cache_format=fmt, dtype="fp16", scale=scale, zero_rows=3, seed=int(scale * 10)))
-        check(Case(n=65, h=8, p=16, head_dim=d, cache_format=fmt, dtype="bf16", scale=scale * 1e3, q_fp8=True, zero_rows=3, seed=7))
+        check(
+            Case(
+                n=65,
+                h=8,
+                p=16,
+                head_dim=d,
+                cache_format=fmt,
+                dtype="fp16",
+                scale=scale,
+                zero_rows=3,
+                seed=int(scale * 10),
+            )
+        )
+        check(
+            Case(
+                n=65,
+                h=8,
+                p=16,
+                head_dim=d,
+                cache_format=fmt,
+                dtype="bf16",
+                scale=scale * 1e3,
+                q_fp8=True,
+                zero_rows=3,
+                seed=7,
+            )
+        )
 
 
 def test_nan_and_inf_inputs():
-    for fmt, d in (("fp8_ds_mla", 512), ("mxfp8", 512), ("fp8_token", 128), ("mxfp4", 128), ("fp8_tensor", 512)):
+    for fmt, d in (
+        ("fp8_ds_mla", 512),
+        ("mxfp8", 512),
+        ("fp8_token", 128),
+        ("mxfp4", 128),
+        ("fp8_tensor", 512),
+    ):
         x = make_inputs(Case(n=16, h=8, p=8, head_dim=d, cache_format=fmt, seed=5, op="kv"))
         x.kv[1, 3] = float("nan")
         x.kv[2, 5] = float("inf")
@@ -128,7 +196,9 @@ def test_64bit_offsets():
     want_storage = x.extra["k_storage"].clone()
     m = x.slot_mapping.shape[0]
     vals = reference.kv_values(x.kv[:m], x.positions[:m], x.cos_sin_cache)
-    reference.insert_kv(want_storage[:, : x.k_cache.shape[1]], get_format("fp8_ds_mla"), vals, x.slot_mapping, 64)
+    reference.insert_kv(
+        want_storage[:, : x.k_cache.shape[1]], get_format("fp8_ds_mla"), vals, x.slot_mapping, 64
+    )
     assert torch.equal(got.extra["k_storage"], want_storage)
 
 
@@ -154,8 +224,12 @@ def test_checked_mode_counts_and_skips_out_of_range():
 
 
 GRAPH_VARIANTS = [
-    ("qkv", "fp8_ds_mla", 512, False), ("qkv", "fp8_ds_mla", 512, True), ("qkv", "mxfp8", 512, False),
-    ("kv", "fp8_token", 128, False), ("kv_norm", "mxfp4", 128, False), ("qkv", "bf16", 128, False),
+    ("qkv", "fp8_ds_mla", 512, False),
+    ("qkv", "fp8_ds_mla", 512, True),
+    ("qkv", "mxfp8", 512, False),
+    ("kv", "fp8_token", 128, False),
+    ("kv_norm", "mxfp4", 128, False),
+    ("qkv", "bf16", 128, False),
     ("kv", "fp8_tensor", 512, False),
 ]
 
@@ -170,11 +244,33 @@ def test_cuda_graph_replay_matches_eager(op, fmt, d, q8):
 
     def call():
         if op == "qkv":
-            ops.qnorm_rope_kv_insert(x.q_in, x.kv, g_out.q_out, g_out.k_cache, x.slot_mapping, x.positions, x.cos_sin_cache,
-                                     1e-6, case.block_size, fmt, kv_scale=x.kv_scale, q_scale=x.q_scale)
+            ops.qnorm_rope_kv_insert(
+                x.q_in,
+                x.kv,
+                g_out.q_out,
+                g_out.k_cache,
+                x.slot_mapping,
+                x.positions,
+                x.cos_sin_cache,
+                1e-6,
+                case.block_size,
+                fmt,
+                kv_scale=x.kv_scale,
+                q_scale=x.q_scale,
+            )
         else:
-            ops.kv_rope_insert(x.kv, g_out.k_cache, x.slot_mapping, x.positions, x.cos_sin_cache, case.block_size, fmt,
-                               norm_weight=x.norm_weight, eps=1e-6, kv_scale=x.kv_scale)
+            ops.kv_rope_insert(
+                x.kv,
+                g_out.k_cache,
+                x.slot_mapping,
+                x.positions,
+                x.cos_sin_cache,
+                case.block_size,
+                fmt,
+                norm_weight=x.norm_weight,
+                eps=1e-6,
+                kv_scale=x.kv_scale,
+            )
 
     with torch.cuda.stream(stream):
         call()  # warm up (binds the kernel) outside the capture

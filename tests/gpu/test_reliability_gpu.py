@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import warnings
 
+import attn_prologue as ap
 import pytest
 import torch
-
-import attn_prologue as ap
 from attn_prologue import ops, reference, selftest
 from attn_prologue.errors import InputError, ScratchError
 
@@ -19,9 +18,18 @@ pytestmark = pytest.mark.gpu
 
 
 def call(args):
-    ap.qnorm_rope_kv_insert(args["q_in"], args["kv"], args["q_out"], args["k_cache"], args["slot_mapping"],
-                            args["positions"], args["cos_sin_cache"], args["eps"], args["block_size"],
-                            args["cache_format"])
+    ap.qnorm_rope_kv_insert(
+        args["q_in"],
+        args["kv"],
+        args["q_out"],
+        args["k_cache"],
+        args["slot_mapping"],
+        args["positions"],
+        args["cos_sin_cache"],
+        args["eps"],
+        args["block_size"],
+        args["cache_format"],
+    )
 
 
 @pytest.mark.parametrize("name", sorted({**CASES, **CUDA_ONLY}))
@@ -80,7 +88,9 @@ def test_bound_op_refuses_too_many_tokens_and_unknown_micro_batch():
     pool.lock()
     op = ap.bind(num_heads=H, padded_heads=P, head_dim=D, block_size=BS, pool=pool)
     args = valid("cuda")
-    small = {k: (v[: N - 1] if k in ("q_in", "kv", "slot_mapping", "positions") else v) for k, v in args.items()}
+    small = {
+        k: (v[: N - 1] if k in ("q_in", "kv", "slot_mapping", "positions") else v) for k, v in args.items()
+    }
     op(*[small[k] for k in BOUND_ARGS])  # fits; binds the cache
     buffer = pool.buffer(padded_heads=P, head_dim=D)
     buffer.fill_(float("nan"))
@@ -99,7 +109,9 @@ def test_checked_mode_guard_regions_and_exact_count():
     leave the guard regions (and the cache) untouched apart from the valid rows."""
     d, bs, blocks, guard = 512, 64, 8, 3
     g = torch.Generator(device="cuda").manual_seed(77)
-    whole = torch.randint(0, 256, (blocks + 2 * guard, bs * 584), generator=g, device="cuda", dtype=torch.uint8)
+    whole = torch.randint(
+        0, 256, (blocks + 2 * guard, bs * 584), generator=g, device="cuda", dtype=torch.uint8
+    )
     before = whole.clone()
     k_cache = whole[guard : guard + blocks]
     n = 64
@@ -121,7 +133,9 @@ def test_checked_mode_guard_regions_and_exact_count():
     ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs, checked=True)
     torch.cuda.synchronize()
     assert err.tolist() == [len(bad_slots) + len(bad_pos), len(bad_pos)]
-    assert torch.equal(whole[:guard], before[:guard]) and torch.equal(whole[guard + blocks :], before[guard + blocks :])
+    assert torch.equal(whole[:guard], before[:guard]) and torch.equal(
+        whole[guard + blocks :], before[guard + blocks :]
+    )
     ok = torch.ones(n, dtype=torch.bool, device="cuda")
     ok[list(bad_slots) + list(bad_pos)] = False
     want = before[guard : guard + blocks].clone()
@@ -151,12 +165,23 @@ def test_self_test_fallback_with_injected_fault(monkeypatch, tmp_path):
     assert entries and all(not e["ok"] and e["use"].endswith(("_sm90", "_portable")) for e in entries)
     # the bound (fallback) kernel is correct, and a second bind reads the record instead of re-testing
     ref = valid("cuda")
-    reference.qnorm_rope_kv_insert(ref["q_in"], ref["kv"], ref["q_out"], ref["k_cache"], ref["slot_mapping"],
-                                   ref["positions"], ref["cos_sin_cache"], 1e-6, ref["block_size"])
+    reference.qnorm_rope_kv_insert(
+        ref["q_in"],
+        ref["kv"],
+        ref["q_out"],
+        ref["k_cache"],
+        ref["slot_mapping"],
+        ref["positions"],
+        ref["cos_sin_cache"],
+        1e-6,
+        ref["block_size"],
+    )
     torch.cuda.synchronize()
     assert torch.equal(args["k_cache"], ref["k_cache"])
     selftest._memo.clear()
-    monkeypatch.setattr(selftest, "run", lambda *a, **k: pytest.fail("self-test ran again despite the record"))
+    monkeypatch.setattr(
+        selftest, "run", lambda *a, **k: pytest.fail("self-test ran again despite the record")
+    )
     ops._bound.clear()
     ops._fast_qkv.clear()
     call(valid("cuda"))

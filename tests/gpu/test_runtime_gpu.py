@@ -3,10 +3,9 @@ pads, two micro-batches on two streams, the torch op under torch.compile."""
 
 from __future__ import annotations
 
+import attn_prologue as ap
 import pytest
 import torch
-
-import attn_prologue as ap
 from attn_prologue import reference
 
 pytestmark = pytest.mark.gpu
@@ -34,8 +33,9 @@ def new_cache(num_blocks=64, seed=0):
 def expected(x, k_cache, h, p):
     q_out = torch.zeros(x["q_in"].shape[0], p, D, dtype=torch.bfloat16, device="cuda")
     kc = k_cache.clone()
-    reference.qnorm_rope_kv_insert(x["q_in"], x["kv"], q_out, kc, x["slot_mapping"], x["positions"],
-                                   x["cos_sin_cache"], 1e-6, BS)
+    reference.qnorm_rope_kv_insert(
+        x["q_in"], x["kv"], q_out, kc, x["slot_mapping"], x["positions"], x["cos_sin_cache"], 1e-6, BS
+    )
     return q_out, kc
 
 
@@ -47,11 +47,25 @@ def test_bound_op_graph_replay_with_new_inputs_matches_reference():
     op = ap.bind(num_heads=h, padded_heads=p, block_size=BS, pool=pool)
     static = inputs(n, h, seed=1)
     k_cache = new_cache()
-    op(static["q_in"], static["kv"], k_cache, static["slot_mapping"], static["positions"], static["cos_sin_cache"])
+    op(
+        static["q_in"],
+        static["kv"],
+        k_cache,
+        static["slot_mapping"],
+        static["positions"],
+        static["cos_sin_cache"],
+    )
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q_out = op(static["q_in"], static["kv"], k_cache, static["slot_mapping"], static["positions"], static["cos_sin_cache"])
+        q_out = op(
+            static["q_in"],
+            static["kv"],
+            k_cache,
+            static["slot_mapping"],
+            static["positions"],
+            static["cos_sin_cache"],
+        )
     for seed in (2, 3, 4):
         fresh = inputs(n, h, seed)
         for k, v in fresh.items():
@@ -78,13 +92,29 @@ def test_no_allocation_after_lock_across_token_counts():
     for n in sizes:  # warm up: binds, views, TVM-FFI state
         for mb in (0, 1):
             x = data[n]
-            ops[0](x["q_in"], x["kv"], k_cache, x["slot_mapping"], x["positions"], x["cos_sin_cache"], micro_batch=mb)
+            ops[0](
+                x["q_in"],
+                x["kv"],
+                k_cache,
+                x["slot_mapping"],
+                x["positions"],
+                x["cos_sin_cache"],
+                micro_batch=mb,
+            )
     torch.cuda.synchronize()
     stats0 = torch.cuda.memory_stats()
     for i in range(1000):
         n = sizes[i % len(sizes)]
         x = data[n]
-        ops[i % 3](x["q_in"], x["kv"], k_cache, x["slot_mapping"], x["positions"], x["cos_sin_cache"], micro_batch=i % 2)
+        ops[i % 3](
+            x["q_in"],
+            x["kv"],
+            k_cache,
+            x["slot_mapping"],
+            x["positions"],
+            x["cos_sin_cache"],
+            micro_batch=i % 2,
+        )
     torch.cuda.synchronize()
     stats1 = torch.cuda.memory_stats()
     for key in ("allocation.all.allocated", "segment.all.allocated", "num_alloc_retries"):
@@ -128,7 +158,17 @@ def test_two_micro_batches_on_two_streams_do_not_interfere():
         for mb in (0, 1):
             with torch.cuda.stream(streams[mb]):
                 x = xs[mb]
-                outs.append(op(x["q_in"], x["kv"], caches[mb], x["slot_mapping"], x["positions"], x["cos_sin_cache"], micro_batch=mb))
+                outs.append(
+                    op(
+                        x["q_in"],
+                        x["kv"],
+                        caches[mb],
+                        x["slot_mapping"],
+                        x["positions"],
+                        x["cos_sin_cache"],
+                        micro_batch=mb,
+                    )
+                )
     torch.cuda.synchronize()
     assert outs[0].data_ptr() != outs[1].data_ptr()
     for mb in (0, 1):

@@ -9,16 +9,27 @@ import re
 
 import pytest
 import torch
-
 from attn_prologue import simulate as sim
 
 pytestmark = pytest.mark.gpu
 
 
 def small_options(tmp_path, **kw) -> sim.SimOptions:
-    opts = sim.SimOptions(max_num_batched_tokens=4096, padded_heads=64, heads=16, layers=4, seqs=4, prompt_len=3000,
-                          decode_steps=8, needles=64, kv_fraction=0.90, allocating=True, seed=0,
-                          json_path=str(tmp_path / "simulate.json"), command="tests/gpu/test_simulate_gpu.py")
+    opts = sim.SimOptions(
+        max_num_batched_tokens=4096,
+        padded_heads=64,
+        heads=16,
+        layers=4,
+        seqs=4,
+        prompt_len=3000,
+        decode_steps=8,
+        needles=64,
+        kv_fraction=0.90,
+        allocating=True,
+        seed=0,
+        json_path=str(tmp_path / "simulate.json"),
+        command="tests/gpu/test_simulate_gpu.py",
+    )
     for k, v in kw.items():
         setattr(opts, k, v)
     # The budget leaves the allocating mode at most half a padded-Q tensor of headroom after its KV
@@ -59,7 +70,9 @@ def test_small_serving_simulation(tmp_path):
     # allocating mode under the same budget: a bigger KV cache (no pool), then OOM or measured excess
     assert al is not None
     assert al["kv"]["num_blocks"] > pr["kv"]["num_blocks"]
-    assert al["headroom_bytes"] < padded_q, "the budget was meant to leave less headroom than one padded Q tensor"
+    assert al["headroom_bytes"] < padded_q, (
+        "the budget was meant to leave less headroom than one padded Q tensor"
+    )
     assert al["outcome"] == "oom" or al["exceeded_budget"], al
     if al["outcome"] == "oom":
         assert al["oom"]["requested_bytes"] > al["headroom_bytes"]
@@ -83,8 +96,28 @@ def test_cli_simulate_small(tmp_path, capsys):
     from attn_prologue.cli import main
 
     out = tmp_path / "cli.json"
-    rc = main(["simulate", "--max-num-batched-tokens", "2048", "--seqs", "3", "--prompt-len", "1500", "--layers", "2",
-               "--decode-steps", "4", "--needles", "16", "--memory-budget-gb", "2", "--no-allocating", "--json", str(out)])
+    rc = main(
+        [
+            "simulate",
+            "--max-num-batched-tokens",
+            "2048",
+            "--seqs",
+            "3",
+            "--prompt-len",
+            "1500",
+            "--layers",
+            "2",
+            "--decode-steps",
+            "4",
+            "--needles",
+            "16",
+            "--memory-budget-gb",
+            "2",
+            "--no-allocating",
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     assert re.search(r"needle recall \(bit-exact\)\s+16/16", text), text

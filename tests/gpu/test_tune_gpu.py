@@ -3,7 +3,6 @@ heuristic's config when both are re-timed afterwards."""
 
 import pytest
 import torch
-
 from attn_prologue import dispatch, ops, tune, tuning
 
 pytestmark = pytest.mark.gpu
@@ -21,7 +20,9 @@ def test_small_sweep_beats_or_ties_the_heuristic(tmp_path):
     rows = tune.entries(sweep, [variant], buckets, env, 64, 64)
     assert [r["bucket"] for r in rows] == buckets
     for r in rows:
-        best = tune.time_config(variant, tuning.LaunchConfig.from_key(r["config"]), r["bucket"], h=64, p=64, replays=15)
+        best = tune.time_config(
+            variant, tuning.LaunchConfig.from_key(r["config"]), r["bucket"], h=64, p=64, replays=15
+        )
         heur = tune.time_config(variant, default, r["bucket"], h=64, p=64, replays=15)
         assert best <= heur * 1.03, (r, best, heur)  # equal configs re-time within noise
     db = tuning.TuningDatabase.load(tmp_path / "db.json")
