@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attn_prologue.launch import LaunchConfig
+from attn_prologue.variants import ArchFamily
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,12 @@ class ArchSpec:
     max_warps_per_sm: int
     max_ctas_per_sm: int
     smem_per_block_kb: int
-    default_config: LaunchConfig
     reasoning: str
+
+    @property
+    def default_config(self) -> LaunchConfig:
+        """The family's default (attn_prologue.variants.ArchFamily holds it; this says why)."""
+        return ArchFamily(self.family).default_config
 
 
 ARCH_SPECS = {
@@ -46,7 +51,6 @@ ARCH_SPECS = {
         max_warps_per_sm=64,
         max_ctas_per_sm=32,
         smem_per_block_kb=227,
-        default_config=LaunchConfig(warps_per_cta=4, pdl=True, non_coherent=True, streaming=True),
         reasoning=(
             "H200: 4.8 TB/s over 132 SMs at 1.98 GHz is ~18 B/clock/SM, so ~13 KB must be in flight per "
             "SM. A D=512 row is 1 KB of loads per warp, so >= 13 resident warps per SM; at the ~44 "
@@ -62,7 +66,6 @@ ARCH_SPECS = {
         max_warps_per_sm=64,
         max_ctas_per_sm=32,
         smem_per_block_kb=227,
-        default_config=LaunchConfig(warps_per_cta=4, pdl=True, non_coherent=True, streaming=True),
         reasoning=(
             "B200: 8 TB/s over 148 SMs is ~28 B/clock/SM (~19 KB in flight per SM, >= 19 warps of 1 KB); "
             "register-limited occupancy (~46 warps at ~44 registers) covers it with 4-warp CTAs; streaming "
@@ -80,7 +83,6 @@ ARCH_SPECS = {
         max_warps_per_sm=48,
         max_ctas_per_sm=24,
         smem_per_block_kb=99,
-        default_config=LaunchConfig(warps_per_cta=2, pdl=True, non_coherent=True, streaming=True),
         reasoning=(
             "SM120 has little DRAM bandwidth per SM (2.3-4.4 B/clock/SM: ~1.6-3 KB in flight per SM "
             "suffices), 48 warps and 24 CTAs per SM, and 99 KB shared memory per block (unused: this "

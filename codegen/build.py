@@ -19,12 +19,12 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from attn_prologue import compiler
-from attn_prologue.kernel_cache import KernelCache, KernelKey
+from attn_prologue.jit import compiler
+from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.launch import LaunchConfig
+from attn_prologue.variants import CAPABILITIES, Variant
 
-from .archs import ARCH_SPECS
-from .variants import Variant, variant_space
+from .variants import variant_space
 
 
 def shard_of(v: Variant) -> str:
@@ -34,13 +34,13 @@ def shard_of(v: Variant) -> str:
 def tuned_configs() -> dict[tuple[str, str], set[LaunchConfig]]:
     """(variant, target) -> configs the tuning database (shipped or $ATTN_PROLOGUE_TUNING_DB) names:
     the dispatcher may pick them at run time, so `build` compiles them too."""
-    from attn_prologue import dispatch, tuning
+    from attn_prologue import tuning
 
     out: dict[tuple[str, str], set[LaunchConfig]] = collections.defaultdict(set)
     db = tuning.TuningDatabase.load(tuning.database_path())
     for e in db.entries:
         major, minor = (int(x) for x in str(e.get("capability", "0.0")).split("."))
-        target = dispatch.CAPABILITY_TARGETS.get((major, minor), (None, None))[1]
+        target = CAPABILITIES.get((major, minor), (None, None))[1]
         if target:
             out[(e["variant"], target)].add(LaunchConfig.from_key(e["config"]))
     return out
@@ -60,7 +60,7 @@ def build_keys(
         for t in v.arch.targets:
             if targets is not None and t not in targets:
                 continue
-            chosen = (given or {ARCH_SPECS[v.arch.value].default_config}) | tuned.get((v.name, t), set())
+            chosen = (given or {v.arch.default_config}) | tuned.get((v.name, t), set())
             for cfg in sorted(chosen, key=lambda c: c.key):
                 keys.append((v, KernelKey(v.name, cfg, t)))
     return keys

@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attn_prologue.formats import ElementCode, ScaleCode
-
-from .variants import Op, QOut, Variant
+from attn_prologue.variants import Op, QOut, Variant
 
 VEC = 8
 WARP = 32
@@ -25,60 +24,44 @@ class Argument:
     fake: str  # expression building its compile-time stand-in
 
 
-def _tensor(name, fake):
-    return Argument(name, "cute.Tensor", fake)
-
-
-def signature(v: Variant) -> list[Argument]:
-    """The compiled function's run-time arguments, in order."""
+def _fakes(v: Variant) -> dict[str, Argument]:
+    """Each argument's compiled type and compile-time stand-in (the order is `Variant.arguments`)."""
     io, d = "IO_DTYPE", "HEAD_DIM"
     sym, sym64 = "cute.sym_int32()", "cute.sym_int64(divisibility=8)"
     rows3 = f"({sym}, {sym}, {d}), ({sym64}, {d}, 1)"
     # q_in, kv and positions of the qkv op share one symbolic token count: TVM-FFI then refuses a
     # call whose row counts differ before launching (the Python hot path does not check them)
     tokens = TOKENS if v.op is Op.QKV else sym
-    args = []
-    if v.op is Op.QKV:
-        args.append(
-            _tensor(
-                "q_in", f"make_fake_tensor({io}, ({tokens}, {sym}, {d}), ({sym64}, {d}, 1), assumed_align=16)"
-            )
-        )
-    args.append(_tensor("kv", f"make_fake_tensor({io}, ({tokens}, {d}), ({sym64}, 1), assumed_align=16)"))
-    if v.op is Op.QKV:
-        if v.q_out is QOut.FP8:
-            args.append(_tensor("q_out", f"make_fake_tensor(Uint8, {rows3}, assumed_align=16)"))
-        else:
-            args.append(_tensor("q_out", f"make_fake_tensor({io}, {rows3}, assumed_align=16)"))
-    if v.op is Op.KV_NORM:
-        args.append(_tensor("norm_weight", f"make_fake_compact_tensor({io}, ({d},), assumed_align=16)"))
-    args += [
-        _tensor(
-            "k_cache",
-            f"make_fake_tensor(Uint8, ({sym}, {sym}), (cute.sym_int64(divisibility=16), 1), assumed_align=16)",
-        ),
-        _tensor("slot_mapping", f"make_fake_compact_tensor(Int64, ({sym},), assumed_align=8)"),
-        _tensor("positions", f"make_fake_compact_tensor(Int64, ({tokens},), assumed_align=8)"),
-        _tensor(
-            "cos_sin_cache",
-            f"make_fake_compact_tensor(Float32, ({sym}, ROPE_DIM), stride_order=(1, 0), assumed_align=16)",
-        ),
-    ]
-    if v.format.needs_tensor_scale:
-        args.append(_tensor("kv_scale", "make_fake_compact_tensor(Float32, (1,), assumed_align=4)"))
-    if v.q_out is QOut.FP8:
-        args.append(_tensor("q_scale", "make_fake_compact_tensor(Float32, (1,), assumed_align=4)"))
-    args.append(_tensor("errors", "make_fake_compact_tensor(Int32, (2,), assumed_align=4)"))
-    if v.op in (Op.QKV, Op.KV_NORM):
-        args.append(Argument("eps", "Float32", "Float32(1e-6)"))
-    args.append(Argument("block_size", "Int32", "Int32(64)"))
-    if v.op is Op.QKV:
-        args.append(Argument("n_write_heads", "Int32", "Int32(64)"))
-    args.append(Argument("checked", "Int32", "Int32(0)"))
-    args.append(
-        Argument("max_ctas", "Int32", "Int32(0)")
-    )  # grid cap of persistent configs (SMs x CTAs per SM)
-    return args
+    q_out_dtype = "Uint8" if v.q_out is QOut.FP8 else io
+    tensors = {
+        "q_in": f"make_fake_tensor({io}, ({tokens}, {sym}, {d}), ({sym64}, {d}, 1), assumed_align=16)",
+        "kv": f"make_fake_tensor({io}, ({tokens}, {d}), ({sym64}, 1), assumed_align=16)",
+        "q_out": f"make_fake_tensor({q_out_dtype}, {rows3}, assumed_align=16)",
+        "norm_weight": f"make_fake_compact_tensor({io}, ({d},), assumed_align=16)",
+        "k_cache": f"make_fake_tensor(Uint8, ({sym}, {sym}), (cute.sym_int64(divisibility=16), 1), assumed_align=16)",
+        "slot_mapping": f"make_fake_compact_tensor(Int64, ({sym},), assumed_align=8)",
+        "positions": f"make_fake_compact_tensor(Int64, ({tokens},), assumed_align=8)",
+        "cos_sin_cache": f"make_fake_compact_tensor(Float32, ({sym}, ROPE_DIM), stride_order=(1, 0), assumed_align=16)",
+        "kv_scale": "make_fake_compact_tensor(Float32, (1,), assumed_align=4)",
+        "q_scale": "make_fake_compact_tensor(Float32, (1,), assumed_align=4)",
+        "errors": "make_fake_compact_tensor(Int32, (2,), assumed_align=4)",
+    }
+    scalars = {
+        "eps": ("Float32", "Float32(1e-6)"),
+        "block_size": ("Int32", "Int32(64)"),
+        "n_write_heads": ("Int32", "Int32(64)"),
+        "checked": ("Int32", "Int32(0)"),
+        "max_ctas": ("Int32", "Int32(0)"),  # grid cap of persistent configs (SMs x CTAs per SM)
+    }
+    out = {name: Argument(name, "cute.Tensor", fake) for name, fake in tensors.items()}
+    out.update({name: Argument(name, t, fake) for name, (t, fake) in scalars.items()})
+    return out
+
+
+def signature(v: Variant) -> list[Argument]:
+    """The compiled function's run-time arguments, in `Variant.arguments` order."""
+    fakes = _fakes(v)
+    return [fakes[name] for name in v.arguments]
 
 
 def make_plan(v: Variant) -> dict:

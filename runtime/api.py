@@ -17,11 +17,13 @@ import sys
 
 import torch
 
-from . import dispatch, ops
+from . import ops, validate
+from .dispatch import Runtime, bucket_index, default_runtime
 from .errors import InputError, ScratchError
 from .formats import get_format
 from .launch import LaunchConfig
 from .scratch import ScratchPool
+from .variants import IoDtype, Op, QOut, Request
 
 
 class BoundOp:
@@ -45,6 +47,7 @@ class BoundOp:
         checked: bool = False,
         device=None,
         config: LaunchConfig | None = None,
+        runtime: Runtime | None = None,
     ):
         device = (
             torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -56,33 +59,17 @@ class BoundOp:
         p = padded_heads or num_heads
         if p < num_heads:
             raise InputError(f"padded_heads={p} is smaller than num_heads={num_heads}")
-        if dtype not in ops.IO_DTYPES:
+        io = IoDtype.of_torch(dtype)
+        if io is None:
             raise InputError(f"dtype must be bfloat16 or float16, got {dtype}")
         fmt = get_format(cache_format)
         if fmt.needs_tensor_scale and kv_scale is None:
             raise InputError(f"cache format {cache_format} needs kv_scale")
         q8 = q_scale is not None
-        request = dict(
-            op="qkv",
-            q_out="fp8" if q8 else "io",
-            head_dim=head_dim,
-            rope_dim=rope_dim,
-            cache_format=cache_format,
-            io=ops.IO_DTYPES[dtype],
-            config=config,
-        )
-        arch, _ = ops.device_target(device)
-        dispatch.select_variant(
-            arch=arch,
-            op="qkv",
-            head_dim=head_dim,
-            rope_dim=rope_dim,
-            cache_format=cache_format,
-            io_dtype=ops.IO_DTYPES[dtype],
-            q_out=request["q_out"],
-        )  # UnsupportedError early
-        fns = ops.kernels_by_bucket(device, heads=num_heads, **request)
-        self.errors = ops.errors_buffer(device)
+        rt = runtime or default_runtime()
+        request = Request(Op.QKV, head_dim, rope_dim, cache_format, io, QOut.FP8 if q8 else QOut.IO)
+        launchers = rt.launchers(request, device, heads=num_heads, config=config)  # UnsupportedError early
+        self.errors = rt.errors_buffer(device)
         self.h, self.p, self.head_dim, self.block_size, self.eps = (
             num_heads,
             p,
@@ -90,20 +77,22 @@ class BoundOp:
             block_size,
             float(eps),
         )
-        self.cache_format, self.dtype, self.device, self.checked = (
-            cache_format,
-            dtype,
-            device,
-            1 if checked else 0,
-        )
+        self.cache_format, self.dtype, self.device = cache_format, dtype, device
+        self.checked = 1 if checked else 0
         self.kv_scale, self.q_scale = kv_scale, q_scale
         self.bytes_per_token = fmt.bytes_per_token(head_dim)
         # per token-count bucket: the kernel and the arguments after the caller's tensors
-        scales = tuple(t for t in (kv_scale, q_scale) if t is not None)
         self._calls = [
-            (fn, (*scales, self.errors, self.eps, block_size, num_heads, self.checked, max_ctas))
-            for fn, max_ctas in fns
-        ]
+            (
+                la.fn,
+                la.tail(
+                    ops.QKV_TENSORS, errors=self.errors, eps=self.eps, block_size=block_size,
+                    n_write_heads=num_heads, checked=self.checked,
+                    **{n: t for n, t in zip(ops.SCALES, (kv_scale, q_scale)) if t is not None},
+                ),
+            )
+            for la in launchers
+        ]  # fmt: skip
         self.in_place = pool is None
         if self.in_place:
             if p != num_heads:
@@ -154,7 +143,7 @@ class BoundOp:
                 raise
         if n == 0:
             return out[:0]
-        fn, tail = self._calls[min((n - 1).bit_length(), ops.MAX_BUCKET_LOG2)]
+        fn, tail = self._calls[bucket_index(n)]
         try:
             fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, *tail)
         except Exception as exc:
@@ -198,20 +187,10 @@ class BoundOp:
             q_out = self.buffers[micro_batch][: max(n, 1)]
             if self.q_scale is not None:
                 q_out = q_out.view(torch.float8_e4m3fn)
-        ops.check_qkv(
-            q_in,
-            kv,
-            q_out,
-            k_cache,
-            slot_mapping,
-            positions,
-            cos_sin_cache,
-            self.eps,
-            self.block_size,
-            self.cache_format,
-            q_scale=self.q_scale,
-            kv_scale=self.kv_scale,
-        )
+        validate.check_qkv(
+            q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, self.eps, self.block_size,
+            self.cache_format, q_scale=self.q_scale, kv_scale=self.kv_scale,
+        )  # fmt: skip
         self._k_cache = k_cache
 
 

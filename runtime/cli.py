@@ -54,7 +54,7 @@ def cmd_generate(args) -> int:
 
 
 def _cache(args):
-    from .kernel_cache import KernelCache
+    from .jit.kernel_cache import KernelCache
 
     return KernelCache(Path(args.cache_dir) if args.cache_dir else None)
 
@@ -102,7 +102,8 @@ def cmd_bench(args) -> int:
 
     import torch
 
-    from . import bench, compiler
+    from .jit import compiler
+    from .lab import bench
 
     shapes = bench.default_shapes(args.shapes)
     if args.max_tokens:
@@ -158,7 +159,7 @@ def cmd_bench(args) -> int:
     if args.json:
         bench.save(results, args.json, meta)
     if args.png:
-        from . import plots
+        from .lab import plots
 
         plots.bench_plot(results, args.png, meta)
     rows = bench.check_targets(bench.document(results, meta))
@@ -169,7 +170,7 @@ def cmd_bench(args) -> int:
 def cmd_targets(args) -> int:
     import json
 
-    from . import bench
+    from .lab import bench
 
     rows = bench.check_targets(json.loads(Path(args.json).read_text()))
     print(bench.print_targets(rows))
@@ -181,21 +182,22 @@ def cmd_targets(args) -> int:
 def cmd_tune(args) -> int:
     import torch
 
-    from . import dispatch, ops, tune, tuning
-    from .generated import registry
+    from . import dispatch, tuning
+    from .lab import tune
     from .launch import LaunchConfig, all_configs
+    from .variants import generated, parse_name
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    arch, target = ops.device_target(device)
+    facts = dispatch.default_runtime().device()
+    arch, target = facts.arch, facts.target
     names = sorted(
         n
-        for n, row in registry.VARIANTS.items()
-        if row[6] == arch and row[7] == dispatch.default_conversions(arch)
+        for n in generated()
+        if parse_name(n).arch is arch and parse_name(n).conversions is arch.default_conversions
     )
     if args.variants:
         names = [n for n in names if any(n == w or n.startswith(w) for w in args.variants)]
     if not names:
-        print(f"tune: no {arch} variant matches {args.variants}")
+        print(f"tune: no {arch.value} variant matches {args.variants}")
         return 1
     buckets = (
         [int(b) for b in args.buckets.split(",")] if args.buckets else tuning.default_buckets(args.max_tokens)
@@ -204,7 +206,7 @@ def cmd_tune(args) -> int:
         configs = [LaunchConfig.from_key(k) for k in args.configs.split(",")]
     else:
         configs = all_configs() if args.space == "full" else list(tune.DEFAULT_SPACE)
-    default = dispatch.default_config(arch)
+    default = arch.default_config
     if default not in configs:
         configs.append(default)  # the heuristic's choice is always a candidate
     configs = tune.prune(configs)
@@ -249,7 +251,7 @@ def cmd_tune(args) -> int:
             )
         )
     if args.plot_dir:
-        from . import plots
+        from .lab import plots
 
         for v in names:
             plots.tune_plot(
@@ -259,7 +261,7 @@ def cmd_tune(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from . import simulate
+    from .lab import simulate
 
     opts = simulate.SimOptions(
         max_num_batched_tokens=args.max_num_batched_tokens,

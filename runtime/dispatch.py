@@ -1,153 +1,211 @@
-"""Dispatcher: (arch, op, head dims, cache format, dtype) -> generated variant; token count ->
-launch config. Reads the generated registry (data), never the generator."""
+"""The dispatcher: one object holds the serving path's process state and resolves every request.
+
+A request (op, head dims, cache format, dtype, Q output) on a device resolves once to a variant
+(`variants.find` over the generated registry, after the first-use self-test where the variant has a
+distinct fallback) and, per token-count bucket, to a launch config (the tuning database entry
+tuned at these head counts or the nearest, else the arch default). `Runtime.launchers` returns the
+bound `Launcher` of every bucket. Kernel cache, tuning table, error counters, per-device facts,
+self-test outcomes and launchers all live here: tests build their own `Runtime` instead of
+patching module globals; `default_runtime()` is the process-wide one.
+"""
 
 from __future__ import annotations
 
-import functools
+import threading
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from .errors import UnsupportedError
-from .generated import registry
+import torch
+
+from . import selftest, tuning
+from .jit.kernel_cache import KernelCache, KernelKey
 from .launch import LaunchConfig
+from .launcher import Launcher
+from .variants import ArchFamily, Request, Variant, arch_for_capability, find, generated
 
-# compute capability -> (arch family, compile target)
-CAPABILITY_TARGETS = {
-    (9, 0): ("sm90", "sm_90a"),
-    (10, 0): ("sm100", "sm_100a"),
-    (12, 0): ("sm120", "sm_120a"),
-    (12, 1): ("sm120", "sm_121a"),
-}
-NATIVE_FAMILIES = ("sm100", "sm120")
+MAX_BUCKET_LOG2 = 15  # token-count buckets 1, 2, 4, ... 32768 (larger counts use the last)
+
+
+def bucket_index(n_tokens: int) -> int:
+    """ceil(log2(n)) capped at MAX_BUCKET_LOG2: the index into Runtime.launchers(...)."""
+    return min((n_tokens - 1).bit_length(), MAX_BUCKET_LOG2) if n_tokens > 1 else 0
 
 
 @dataclass(frozen=True)
-class VariantInfo:
+class DeviceFacts:
+    """What the dispatcher needs to know about one CUDA device, read once."""
+
+    index: int
     name: str
-    op: str
-    q_out: str
-    head_dim: int
-    rope_dim: int
-    cache_format: str
-    io_dtype: str
-    arch: str
-    conversions: str
-    signature: tuple[str, ...]
+    capability: tuple[int, int]
+    arch: ArchFamily
+    target: str
+    sm_count: int
+    selftest_key: str  # what a recorded self-test outcome must match (selftest.environment_key)
 
 
-@functools.lru_cache(maxsize=1)
-def _tables():
-    infos = {}
-    by_key = {}
-    for name, row in registry.VARIANTS.items():
-        info = VariantInfo(name, *row[:8], registry.SIGNATURES[row[8]])
-        infos[name] = info
-        by_key[
-            (
-                info.arch,
-                info.conversions,
-                info.op,
-                info.q_out,
-                info.head_dim,
-                info.rope_dim,
-                info.cache_format,
-                info.io_dtype,
-            )
-        ] = name
-    return infos, by_key
+def read_device_facts(index: int) -> DeviceFacts:
+    """The facts of CUDA device `index`, from torch (an UnsupportedError for an unknown capability)."""
+    props = torch.cuda.get_device_properties(index)
+    capability = (props.major, props.minor)
+    arch, target = arch_for_capability(*capability)
+    return DeviceFacts(
+        index, props.name, capability, arch, target, props.multi_processor_count,
+        selftest.environment_key(props.name, capability),
+    )  # fmt: skip
 
 
-def variant_info(name: str) -> VariantInfo:
-    try:
-        return _tables()[0][name]
-    except KeyError:
-        raise UnsupportedError(f"no generated variant named {name!r}") from None
+class Runtime:
+    """Everything here is made on first use and kept, so bind-time work happens once per process.
+    `cache` (anything with `.root` and `.load(KernelKey)`), `tuning_db` (a path), `selftest_records`
+    and `device_facts` (index -> DeviceFacts) can be given, e.g. by tests that run without a GPU."""
 
-
-def target_for_capability(major: int, minor: int) -> tuple[str, str]:
-    try:
-        return CAPABILITY_TARGETS[(major, minor)]
-    except KeyError:
-        known = ", ".join(f"{a}.{b} ({t})" for (a, b), (_, t) in sorted(CAPABILITY_TARGETS.items()))
-        raise UnsupportedError(
-            f"no kernels for compute capability {major}.{minor}; supported: {known}"
-        ) from None
-
-
-def default_conversions(arch: str) -> str:
-    return "native" if arch in NATIVE_FAMILIES else "portable"
-
-
-def select_variant(
-    *,
-    arch: str,
-    op: str,
-    head_dim: int,
-    rope_dim: int,
-    cache_format: str,
-    io_dtype: str,
-    q_out: str = "io",
-    conversions: str | None = None,
-) -> str:
-    """The variant name for a request, or an UnsupportedError naming the alternatives."""
-    conversions = conversions or default_conversions(arch)
-    _, by_key = _tables()
-    key = (arch, conversions, op, q_out, head_dim, rope_dim, cache_format, io_dtype)
-    name = by_key.get(key)
-    if name is None and conversions == "portable":  # formats without arch conversions have one module
-        name = by_key.get((arch, "native") + key[2:])
-    if name is not None:
-        return name
-    raise UnsupportedError(
-        _explain_miss(
-            dict(
-                zip(
-                    (
-                        "arch",
-                        "conversions",
-                        "op",
-                        "q_out",
-                        "head_dim",
-                        "rope_dim",
-                        "cache_format",
-                        "io_dtype",
-                    ),
-                    key,
-                )
-            )
-        )
-    )
-
-
-def _explain_miss(req: dict) -> str:
-    infos = _tables()[0].values()
-    wanted = ", ".join(f"{k}={v}" for k, v in req.items())
-    # find the first field that no variant matching all earlier fields offers
-    pool = list(infos)
-    for field in ("arch", "op", "q_out", "cache_format", "head_dim", "rope_dim", "io_dtype"):
-        choices = sorted({str(getattr(i, field)) for i in pool})
-        if str(req[field]) not in choices:
-            return f"no kernel variant for {wanted}: {field}={req[field]} is not available here; available: {', '.join(choices)}"
-        pool = [i for i in pool if str(getattr(i, field)) == str(req[field])]
-    return f"no kernel variant for {wanted}"
-
-
-def require_shape(head_dim: int, rope_dim: int, cache_format: str) -> None:
-    """UnsupportedError unless some generated variant has these head/rope dims and format."""
-    infos = _tables()[0].values()
-    if any(
-        i.head_dim == head_dim and i.rope_dim == rope_dim and i.cache_format == cache_format for i in infos
+    def __init__(
+        self,
+        *,
+        cache: KernelCache | None = None,
+        tuning_db: Path | None = None,
+        selftest_records: selftest.Records | None = None,
+        device_facts: Callable[[int], DeviceFacts] = read_device_facts,
     ):
-        return
-    dims = sorted({(i.head_dim, i.rope_dim) for i in infos if i.cache_format == cache_format})
-    raise UnsupportedError(
-        f"no kernel variant for head_dim={head_dim}, rope_dim={rope_dim} with {cache_format}; "
-        f"generated (D, R): {dims}"
-    )
+        self.cache = cache if cache is not None else KernelCache()
+        self.tuning_db = Path(tuning_db) if tuning_db is not None else tuning.database_path()
+        self.selftests = (
+            selftest_records if selftest_records is not None else selftest.Records(self.cache.root)
+        )
+        self._read_facts = device_facts
+        self._devices: dict[int, DeviceFacts] = {}
+        self._tuning_tables: dict[int, dict] = {}
+        self._errors: dict[int, torch.Tensor] = {}
+        self._launchers: dict[tuple, Launcher] = {}
+        self._variants: dict[tuple, Variant] = {}
+        self._lock = threading.RLock()
+        self.calls: dict[tuple, object] = {}  # per-shape fast paths of the one-call functions (ops.py)
+
+    # ---- per device ------------------------------------------------------------------------------
+    def device(self, device: torch.device | int | None = None) -> DeviceFacts:
+        index = _index(device)
+        facts = self._devices.get(index)
+        if facts is None:
+            facts = self._devices[index] = self._read_facts(index)
+        return facts
+
+    def errors_buffer(self, device: torch.device | int | None = None) -> torch.Tensor:
+        """Per-device int32[2] counters of rows skipped in checked mode: [kv rows, q tokens]."""
+        index = _index(device)
+        buf = self._errors.get(index)
+        if buf is None:
+            with self._lock:
+                buf = self._errors.get(index)
+                if buf is None:
+                    buf = self._errors[index] = torch.zeros(
+                        2, dtype=torch.int32, device=torch.device("cuda", index)
+                    )
+        return buf
+
+    # ---- resolution --------------------------------------------------------------------------------
+    def variant(self, request: Request, device: torch.device | int | None = None) -> Variant:
+        """The variant a request runs on this device: `find`, then the first-use self-test."""
+        facts = self.device(device)
+        key = (facts.index, request)
+        v = self._variants.get(key)
+        if v is None:
+            with self._lock:
+                v = find(request, facts.arch)
+                fallback = selftest.fallback_to_test(v)
+                if fallback is not None and fallback.name in generated():
+                    v = self._self_tested(v, fallback, facts)
+                self._variants[key] = v
+        return v
+
+    def _self_tested(self, v: Variant, fallback: Variant, facts: DeviceFacts) -> Variant:
+        use = self.selftests.lookup(facts.selftest_key, v, fallback)
+        if use is None:
+            launcher = self.launcher(v, facts.arch.default_config, facts.index)
+            ok, detail = selftest.run(launcher, self.errors_buffer(facts.index))
+            use = v if ok else fallback
+            if not ok:
+                selftest.warn_failed(v, fallback, facts.selftest_key, detail)
+            self.selftests.store(facts.selftest_key, v, use, ok, detail)
+        return use
+
+    def tuning_table(self, device: torch.device | int | None = None) -> dict:
+        """(variant, bucket) -> {(heads, heads written): LaunchConfig} tuned on a GPU like this one
+        (empty without such entries)."""
+        facts = self.device(device)
+        table = self._tuning_tables.get(facts.index)
+        if table is None:
+            try:
+                db = tuning.TuningDatabase.load(self.tuning_db)
+                env = tuning.environment_for(facts.name, facts.sm_count, facts.capability)
+                table = db.table_for(env) if db.entries else {}
+            except Exception as exc:  # a broken database never breaks serving
+                warnings.warn(f"tuning database not used: {exc}", tuning.TuningDatabaseWarning)
+                table = {}
+            self._tuning_tables[facts.index] = table
+        return table
+
+    def config(
+        self,
+        v: Variant,
+        device: torch.device | int | None,
+        n_tokens: int,
+        heads: int | None,
+        written: int | None,
+    ) -> LaunchConfig:
+        """The tuned config of n_tokens' bucket at (heads, heads written) or the nearest, else the default."""
+        tuned = self.tuning_table(device).get((v.name, 1 << bucket_index(n_tokens)))
+        return tuning.pick(tuned, heads, written) or v.arch.default_config
+
+    def launcher(
+        self, v: Variant, config: LaunchConfig, device: torch.device | int | None = None
+    ) -> Launcher:
+        facts = self.device(device)
+        key = (facts.index, v, config)
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            with self._lock:
+                launcher = self._launchers.get(key)
+                if launcher is None:
+                    fn = self.cache.load(KernelKey(v.name, config, facts.target))
+                    launcher = Launcher(v, config, facts.target, facts.index, fn, facts.sm_count)
+                    self._launchers[key] = launcher
+        return launcher
+
+    def launchers(
+        self,
+        request: Request,
+        device: torch.device | int | None = None,
+        *,
+        heads: int | None = None,
+        written: int | None = None,
+        config: LaunchConfig | None = None,
+    ) -> tuple[Launcher, ...]:
+        """The launcher of every token-count bucket (index = bucket_index(n)); `config` forces one."""
+        facts = self.device(device)
+        v = self.variant(request, facts.index)
+        return tuple(
+            self.launcher(v, config or self.config(v, facts.index, 1 << i, heads, written), facts.index)
+            for i in range(MAX_BUCKET_LOG2 + 1)
+        )
 
 
-def default_config(arch: str) -> LaunchConfig:
-    return LaunchConfig.from_key(registry.DEFAULT_CONFIGS[arch])
+def _index(device) -> int:
+    if isinstance(device, int):
+        return device
+    if device is None or device.index is None:
+        return torch.cuda.current_device()
+    return device.index
 
 
-def targets_of(arch: str) -> tuple[str, ...]:
-    return registry.TARGETS[arch]
+_default: Runtime | None = None
+
+
+def default_runtime() -> Runtime:
+    """The process-wide runtime (made on first use)."""
+    global _default
+    if _default is None:
+        _default = Runtime()
+    return _default

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import ops, reference
+from . import ops, reference, validate
 from .scratch import zero_once_heads
 
 NAMESPACE = "attn_prologue"
@@ -54,7 +54,7 @@ def _qkv_cpu(
     kv_scale=None,
     q_scale=None,
 ):
-    ops.check_qkv(
+    validate.check_qkv(
         q_in,
         kv,
         q_out,
@@ -163,7 +163,7 @@ def _kv_cpu(
     eps=1e-6,
     kv_scale=None,
 ):
-    ops.check_kv(
+    validate.check_kv(
         kv,
         k_cache,
         slot_mapping,

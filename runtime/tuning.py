@@ -12,6 +12,7 @@ ignored. Runs merge into one file.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from .jit import compiler
 from .launch import LaunchConfig
 
 ENV_DB = "ATTN_PROLOGUE_TUNING_DB"
@@ -64,27 +66,28 @@ class Environment:
         }
 
 
-def current_environment(device=None) -> Environment:
-    import importlib.metadata
-
-    import torch
-
-    from . import compiler
-
-    dev = device if device is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(dev)
-    try:
-        driver = str(torch._C._cuda_getDriverVersion())
-    except Exception:  # informational only: not part of the match
-        driver = ""
+def environment_for(gpu: str, sms: int, capability: tuple[int, int], driver: str = "") -> Environment:
+    """The environment entries are matched against, for a device described by name, SMs and capability."""
     return Environment(
-        gpu=props.name,
-        sms=props.multi_processor_count,
-        capability=f"{props.major}.{props.minor}",
+        gpu=gpu,
+        sms=sms,
+        capability=f"{capability[0]}.{capability[1]}",
         driver=driver,
         package=importlib.metadata.version("attn-prologue"),
         dsl=compiler.dsl_fingerprint(),
     )
+
+
+def current_environment(device=None) -> Environment:
+    """The environment of a CUDA device (the current one by default), driver version included."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+    try:
+        driver = str(torch._C._cuda_getDriverVersion())
+    except Exception:  # informational only: not part of the match
+        driver = ""
+    return environment_for(props.name, props.multi_processor_count, (props.major, props.minor), driver)
 
 
 class TuningDatabase:
@@ -193,12 +196,3 @@ def shipped_database_path() -> Path:
 def database_path() -> Path:
     env = os.environ.get(ENV_DB)
     return Path(env) if env else shipped_database_path()
-
-
-# ---- heuristic --------------------------------------------------------------------------------
-def heuristic_config(arch: str, n_tokens: int, default: LaunchConfig) -> LaunchConfig:
-    """The arch's default config (codegen/archs.py says why it is what it is), for every size.
-
-    One config for every token count means `build` compiles exactly what the heuristic can pick,
-    so serving without a tuning database never compiles. A tuning database refines per bucket."""
-    return default

@@ -15,7 +15,7 @@ def _is_ours(w: warnings.WarningMessage) -> bool:
 def build_entry(root: str, variant: str, config: str, target: str, barrier, queue) -> None:
     """Build one kernel-cache entry as soon as the other process is ready too; report what happened."""
     import cutlass.cute  # noqa: F401  (pay the DSL import before the barrier: both builders start together)
-    from attn_prologue.kernel_cache import KernelCache, KernelKey
+    from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
     from attn_prologue.launch import LaunchConfig
 
     cache = KernelCache(Path(root))

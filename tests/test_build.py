@@ -28,14 +28,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (also under --import-mode=importlib)
 import _build_workers  # noqa: E402
-from attn_prologue import compiler
 from attn_prologue.codegen import build, generate
 from attn_prologue.codegen.plan import make_plan
-from attn_prologue.codegen.variants import Conversions, Op, QOut, Variant, variant_space
+from attn_prologue.codegen.variants import variant_space
 from attn_prologue.formats import FORMATS, ElementCode, ScaleCode
-from attn_prologue.generated import registry
-from attn_prologue.kernel_cache import CorruptEntryWarning, KernelCache, KernelKey
+from attn_prologue.jit import compiler
+from attn_prologue.jit.kernel_cache import CorruptEntryWarning, KernelCache, KernelKey
 from attn_prologue.launch import LaunchConfig, all_configs
+from attn_prologue.variants import Conversions, Op, QOut, Variant, parse_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,13 +119,9 @@ def test_build_reports_every_kernel(built):
 def test_every_variant_is_built_for_every_target_it_claims(built):
     for v in VARIANTS:
         keys = [k for w, k in ENTRIES if w == v]
-        default = registry.DEFAULT_CONFIGS[v.arch.value]
+        default = v.arch.default_config.key
         defaults = [k for k in keys if k.config.key == default]
-        assert (
-            sorted(k.target for k in defaults)
-            == sorted(v.arch.targets)
-            == sorted(registry.TARGETS[v.arch.value])
-        )
+        assert sorted(k.target for k in defaults) == sorted(v.arch.targets)
         tuned = build.tuned_configs()
         for k in keys:
             meta = _meta(built, k)
@@ -529,14 +525,14 @@ def test_full_build_graph_is_complete(tmp_path):
     keys = build.build_keys(variant_space())
     manifest = (generate.default_out_dir() / "MANIFEST").read_text().split()
     pairs = {(v.name, k.target) for v, k in keys}
-    assert pairs == {(n, t) for n in manifest for t in registry.TARGETS[registry.VARIANTS[n][6]]}
+    assert pairs == {(n, t) for n in manifest for t in parse_name(n).arch.targets}
     assert len(pairs) == 352
     assert (
         len(keys)
         == len({(k.variant, k.target, k.config.key) for _, k in keys})
         == 352
         + sum(
-            len(cs - {build.ARCH_SPECS[registry.VARIANTS[v][6]].default_config})
+            len(cs - {parse_name(v).arch.default_config})
             for (v, _), cs in build.tuned_configs().items()
         )
     )
@@ -657,7 +653,7 @@ def test_two_processes_building_one_entry(tmp_path):
 LOADER = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from attn_prologue.kernel_cache import KernelCache, KernelKey
+from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.launch import LaunchConfig
 t1 = time.perf_counter()
 spec = json.loads(sys.stdin.read())
@@ -748,7 +744,7 @@ def test_every_launch_knob_compiles_on_every_arch(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     cache = KernelCache(tmp_path)
     for variant in KNOB_VARIANTS:
-        target = registry.TARGETS[variant.rsplit("_", 1)[1]][0]
+        target = parse_name(variant).arch.targets[0]
         ptxs = {}
         for key in CONFIG_KEYS:
             cfg = LaunchConfig.from_key(key)

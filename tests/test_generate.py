@@ -15,21 +15,23 @@ from pathlib import Path
 
 import jinja2
 import pytest
-from attn_prologue import compiler, kernel_cache, launch
-from attn_prologue.codegen import generate, render, variants
-from attn_prologue.codegen.variants import (
+from attn_prologue import launch, variants
+from attn_prologue.codegen import generate, render
+from attn_prologue.codegen.variants import dropped_combinations, variant_space
+from attn_prologue.formats import FORMATS
+from attn_prologue.generated import registry
+from attn_prologue.jit import compiler, kernel_cache
+from attn_prologue.variants import (
     ArchFamily,
     Conversions,
     IoDtype,
     Op,
     QOut,
     Variant,
+    generated,
     parse_name,
     unsupported_reason,
-    variant_space,
 )
-from attn_prologue.formats import FORMATS
-from attn_prologue.generated import registry
 
 REPO = Path(__file__).resolve().parents[1]
 GENERATED = generate.default_out_dir()
@@ -219,19 +221,17 @@ def test_name_changes_with_every_codegen_parameter(base):
     supported = [base] + [v for v in perturbed.values() if unsupported_reason(v) is None]
     names = [v.name for v in supported]
     assert len(set(names)) == len(names)
-    # generated variants parse back; others (unsupported, or a head dim the template takes but
-    # HEAD_DIMS does not generate) are not found
-    generated = set(variant_space())
-    assert sum(v in generated for v in supported) >= 8  # the test is not vacuous
+    # every name parses back; only generated variants (not the unsupported ones, nor a head dim the
+    # template takes but HEAD_DIMS does not generate) are in the registry
+    space = set(variant_space())
+    assert sum(v in space for v in supported) >= 8  # the test is not vacuous
     for v in perturbed.values():
-        if v in generated:
-            assert parse_name(v.name) == v
-        elif not v.arch.has_native_block_conversions and v.conversions is Conversions.NATIVE:
+        assert (v.name in generated()) == (v in space or v.name in {g.name for g in space})
+        if not v.arch.has_native_block_conversions and v.conversions is Conversions.NATIVE:
             # the one alias: an SM90 "native" module does not exist, its name is the portable one's
             assert parse_name(v.name) == dataclasses.replace(v, conversions=Conversions.PORTABLE)
         else:
-            with pytest.raises(KeyError):
-                parse_name(v.name)
+            assert parse_name(v.name) == v
     assert parse_name(base.name) == base
 
 
@@ -342,7 +342,7 @@ def test_cache_key_changes_with_the_dsl_version(monkeypatch, fresh_fingerprints)
 # ---- the variant space -------------------------------------------------------------------------
 def test_every_dropped_combination_is_explained():
     combos = list(variants.all_combinations())
-    dropped = variants.dropped_combinations()
+    dropped = dropped_combinations()
     space = variant_space()
     assert len(dropped) + len(space) == len(combos)
     assert {v for v, _ in dropped}.isdisjoint(space)
@@ -453,20 +453,10 @@ def test_manifest_registry_and_modules_agree():
     assert list(registry.VARIANTS) == names
     modules = sorted(p.stem for p in (GENERATED / "kernels").glob("*.py") if p.name != "__init__.py")
     assert modules == names
-    for name, row in registry.VARIANTS.items():
+    for name in registry.VARIANTS:
         v = parse_name(name)
-        assert row[:8] == (
-            v.op.value,
-            v.q_out.value,
-            v.head_dim,
-            v.rope_dim,
-            v.cache_format,
-            v.io_dtype.value,
-            v.arch.value,
-            v.conversions.value,
-        )
-        assert row[8] in registry.SIGNATURES
-    assert registry.TARGETS == {f.value: f.targets for f in ArchFamily}
+        assert v.name == name and unsupported_reason(v) is None
+    assert generated() == frozenset(names)
 
 
 # ---- templates are strict ----------------------------------------------------------------------

@@ -16,7 +16,8 @@ import sys
 
 import pytest
 from attn_prologue.codegen import generate
-from attn_prologue.codegen.variants import ArchFamily, variant_space
+from attn_prologue.codegen.variants import variant_space
+from attn_prologue.variants import ArchFamily
 
 KERNELS = generate.default_out_dir() / "kernels"
 

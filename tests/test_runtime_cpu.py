@@ -6,97 +6,94 @@ import json
 
 import attn_prologue as ap
 import pytest
-import torch
-from attn_prologue import dispatch, ops, tuning
+from attn_prologue import dispatch, tuning, variants
 from attn_prologue.errors import ScratchError, UnsupportedError
+from attn_prologue.formats import UnknownFormatError
 from attn_prologue.generated import registry
 from attn_prologue.launch import LaunchConfig
+from attn_prologue.variants import (
+    ArchFamily,
+    Conversions,
+    IoDtype,
+    Op,
+    Request,
+    Variant,
+    arch_for_capability,
+    find,
+    generated,
+    parse_name,
+    unsupported_reason,
+)
 
 
 # ---- dispatch ----------------------------------------------------------------------------------
 def test_capabilities_map_to_families_and_targets():
-    assert dispatch.target_for_capability(9, 0) == ("sm90", "sm_90a")
-    assert dispatch.target_for_capability(10, 0) == ("sm100", "sm_100a")
-    assert dispatch.target_for_capability(12, 0) == ("sm120", "sm_120a")
-    assert dispatch.target_for_capability(12, 1) == ("sm120", "sm_121a")
+    assert arch_for_capability(9, 0) == (ArchFamily.SM90, "sm_90a")
+    assert arch_for_capability(10, 0) == (ArchFamily.SM100, "sm_100a")
+    assert arch_for_capability(12, 0) == (ArchFamily.SM120, "sm_120a")
+    assert arch_for_capability(12, 1) == (ArchFamily.SM120, "sm_121a")
     with pytest.raises(UnsupportedError, match="8.0.*supported"):
-        dispatch.target_for_capability(8, 0)
+        arch_for_capability(8, 0)
+    assert {t for f in ArchFamily for t in f.targets} == set(variants.TARGETS)
 
 
-@pytest.mark.parametrize(
-    "arch,conv", [("sm90", None), ("sm100", None), ("sm120", None), ("sm120", "portable")]
-)
-def test_every_registered_combination_is_selected_by_its_key(arch, conv):
-    rows = [
-        (n, r)
-        for n, r in registry.VARIANTS.items()
-        if r[6] == arch and r[7] == (conv or dispatch.default_conversions(arch))
-    ]
-    assert rows
-    for name, (op, q_out, d, r, fmt, dt, _, _, _) in rows:
-        got = dispatch.select_variant(
-            arch=arch,
-            op=op,
-            head_dim=d,
-            rope_dim=r,
-            cache_format=fmt,
-            io_dtype=dt,
-            q_out=q_out,
-            conversions=conv,
-        )
-        assert got == name
+def request_of(v: Variant, conversions=None) -> Request:
+    return Request(v.op, v.head_dim, v.rope_dim, v.cache_format, v.io_dtype, v.q_out, conversions)
+
+
+def test_every_generated_variant_is_found_by_its_request():
+    names = sorted(generated())
+    assert len(names) == len(registry.VARIANTS) > 100
+    for name in names:
+        v = parse_name(name)
+        assert find(request_of(v, v.conversions), v.arch) == v
+        if v.conversions is v.arch.default_conversions:
+            assert find(request_of(v), v.arch) == v  # the default needs no choice
 
 
 def test_portable_request_for_a_format_without_arch_conversions_uses_the_single_module():
-    name = dispatch.select_variant(
-        arch="sm120",
-        op="kv",
-        head_dim=512,
-        rope_dim=64,
-        cache_format="bf16",
-        io_dtype="bf16",
-        conversions="portable",
-    )
-    assert name == "kv_d512r64_bf16_bf16_sm120"
+    req = Request(Op.KV, 512, 64, "bf16", IoDtype.BF16, conversions=Conversions.PORTABLE)
+    assert find(req, ArchFamily.SM120).name == "kv_d512r64_bf16_bf16_sm120"
 
 
 @pytest.mark.parametrize(
-    "field,value,needle",
+    "change,reason",
     [
-        ("head_dim", 96, "head_dim=96 is not available here; available: 512"),
-        ("cache_format", "mxfp4", "head_dim=512 is not available here; available: 128"),
-        ("io_dtype", "fp32", "io_dtype=fp32 is not available here; available: bf16, fp16"),
-        ("op", "qkv_plus", "op=qkv_plus is not available here"),
-        ("rope_dim", 32, "rope_dim=32 is not available here; available: 64"),
+        (dict(head_dim=96), "head_dim=96: the lane mapping needs D == 128 or D % 256 == 0"),
+        (dict(cache_format="mxfp4"), "mxfp4 stores D=128/R=64 records, not D=512/R=64"),
+        (dict(rope_dim=32), "fp8_ds_mla stores D=512/R=64 records, not D=512/R=32"),
+        (dict(head_dim=256, cache_format="bf16"), "it is supported but was not generated"),
     ],
 )
-def test_unsupported_combinations_name_the_alternatives(field, value, needle):
-    req = dict(arch="sm120", op="qkv", head_dim=512, rope_dim=64, cache_format="fp8_ds_mla", io_dtype="bf16")
-    req[field] = value
+def test_a_miss_says_what_list_why_says_and_names_the_nearest(change, reason):
+    req = dataclasses.replace(Request(Op.QKV, 512, 64, "fp8_ds_mla", IoDtype.BF16), **change)
     with pytest.raises(UnsupportedError) as info:
-        dispatch.select_variant(**req)
-    assert needle in str(info.value)
+        find(req, ArchFamily.SM120)
+    msg = str(info.value)
+    assert reason in msg and "nearest generated: " in msg
+    why = unsupported_reason(req.variant(ArchFamily.SM120))
+    assert why is None or why in msg  # the same sentence `list --why` prints
+    nearest = msg.split("nearest generated: ")[1].split(", ")
+    assert len(nearest) == 3 and all(n in generated() for n in nearest)
 
 
 def test_native_conversions_are_not_offered_on_sm90():
-    with pytest.raises(UnsupportedError, match="conversions=native"):
-        dispatch.select_variant(
-            arch="sm90",
-            op="qkv",
-            head_dim=512,
-            rope_dim=64,
-            cache_format="fp8_ds_mla",
-            io_dtype="bf16",
-            conversions="native",
-        )
+    req = Request(Op.QKV, 512, 64, "fp8_ds_mla", IoDtype.BF16, conversions=Conversions.NATIVE)
+    with pytest.raises(UnsupportedError, match="sm90 has no native ue8m0x2/e2m1x2 conversions"):
+        find(req, ArchFamily.SM90)
 
 
-def test_default_configs_and_heuristic():
-    for arch in ("sm90", "sm100", "sm120"):
-        cfg = dispatch.default_config(arch)
-        assert cfg.key == registry.DEFAULT_CONFIGS[arch]
-        assert tuning.heuristic_config(arch, 4096, cfg) == cfg
-    assert dispatch.default_config("sm120").warps_per_cta == 2  # more CTAs for small batches (archs.py)
+def test_unknown_format_is_a_typed_error_naming_the_known_ones():
+    with pytest.raises(UnknownFormatError, match="known formats: bf16, fp8_ds_mla"):
+        find(Request(Op.KV, 512, 64, "fp9", IoDtype.BF16), ArchFamily.SM90)
+
+
+def test_default_configs():
+    from attn_prologue.codegen.archs import ARCH_SPECS
+
+    for family in ArchFamily:
+        assert ARCH_SPECS[family.value].default_config == family.default_config
+    assert ArchFamily.SM120.default_config.warps_per_cta == 2  # more CTAs for small batches (archs.py)
 
 
 def test_launch_config_keys_round_trip():
@@ -237,36 +234,53 @@ def test_corrupt_database_is_reported_and_ignored(tmp_path, text):
     assert db.entries == []
 
 
-def test_dispatcher_prefers_the_database_over_the_heuristic(monkeypatch):
-    """kernel_for picks the DB entry of the token-count bucket, else the arch default."""
-    name = "qkv_d512r64_fp8_ds_mla_bf16_sm90"
-    fake_db = {
-        (name, 64): {
-            (64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0"),
-            (16, 16): LaunchConfig.from_key("w2_u2_pdl0_nc0"),
-        }
-    }
-    monkeypatch.setattr(ops, "tuning_table", lambda: fake_db)
-    monkeypatch.setattr(ops, "device_target", lambda device: ("sm90", "sm_90a"))
-    monkeypatch.setattr(ops.selftest, "resolve", lambda device, n, cfg, target: n)
-    seen = []
+class RecordingCache:
+    """A kernel cache that loads nothing: it records what the dispatcher asks for."""
 
-    class FakeKernel:
-        def __init__(self, variant, config, target, cache=None):
-            seen.append((variant, config.key, target))
-            self.fn, self.max_ctas = object(), 0
+    def __init__(self, root):
+        self.root, self.keys = root, []
 
-    monkeypatch.setattr(ops, "Kernel", FakeKernel)
-    monkeypatch.setattr(ops, "_bound", {})
-    req = dict(op="qkv", q_out="io", head_dim=512, rope_dim=64, cache_format="fp8_ds_mla", io="bf16")
-    ops.kernel_for(torch.device("cpu"), n_tokens=50, heads=64, **req)
-    ops.kernel_for(torch.device("cpu"), n_tokens=3000, heads=64, **req)
-    ops.kernel_for(torch.device("cpu"), n_tokens=64, heads=8, **req)  # nearest tuned head count: 16
-    assert seen == [
-        (name, "w16_u1_pdl1_nc0", "sm_90a"),
-        (name, registry.DEFAULT_CONFIGS["sm90"], "sm_90a"),
-        (name, "w2_u2_pdl0_nc0", "sm_90a"),
-    ]
+    def load(self, key):
+        self.keys.append(key)
+        return object()
+
+
+def fake_device(name="NVIDIA H200", capability=(9, 0), sms=132):
+    def facts(index):
+        arch, target = arch_for_capability(*capability)
+        return dispatch.DeviceFacts(index, name, capability, arch, target, sms, f"{name}|fake")
+
+    return facts
+
+
+def test_dispatcher_prefers_the_database_over_the_default(tmp_path):
+    """Each bucket gets the DB entry tuned at its head counts (or the nearest), else the arch default."""
+    env = tuning.environment_for("NVIDIA H200", 132, (9, 0))
+    db = tuning.TuningDatabase(
+        [
+            {**env.as_dict(), "variant": "qkv_d512r64_fp8_ds_mla_bf16_sm90", "bucket": 64,
+             "config": "w16_u1_pdl1_nc0", "us": 1.0},
+            {**env.as_dict(), "variant": "qkv_d512r64_fp8_ds_mla_bf16_sm90", "bucket": 64,
+             "config": "w2_u2_pdl0_nc0", "us": 1.0, "heads": 16, "padded_heads": 16},
+        ]
+    )  # fmt: skip
+    cache = RecordingCache(tmp_path)
+    rt = dispatch.Runtime(cache=cache, tuning_db=db.save(tmp_path / "db.json"), device_facts=fake_device())
+    req = Request(Op.QKV, 512, 64, "fp8_ds_mla", IoDtype.BF16)
+    by_bucket = rt.launchers(req, 0, heads=64)
+    assert len(by_bucket) == dispatch.MAX_BUCKET_LOG2 + 1
+    assert by_bucket[dispatch.bucket_index(50)].config.key == "w16_u1_pdl1_nc0"
+    assert by_bucket[dispatch.bucket_index(3000)].config == ArchFamily.SM90.default_config
+    assert (
+        rt.launchers(req, 0, heads=8)[dispatch.bucket_index(64)].config.key == "w2_u2_pdl0_nc0"
+    )  # nearest: 16
+    assert {k.target for k in cache.keys} == {"sm_90a"}
+    assert {k.variant for k in cache.keys} == {"qkv_d512r64_fp8_ds_mla_bf16_sm90"}
+    assert len(cache.keys) == 3  # one load per distinct config, not per bucket
+    # a GPU the database was not tuned on gets the default everywhere
+    other = dispatch.Runtime(cache=cache, tuning_db=tmp_path / "db.json", device_facts=fake_device(sms=114))
+    with pytest.warns(tuning.TuningDatabaseWarning, match="no entry matches"):
+        assert {la.config for la in other.launchers(req, 0, heads=64)} == {ArchFamily.SM90.default_config}
 
 
 def test_shipped_database_loads_and_names_valid_configs():
@@ -279,7 +293,7 @@ def test_shipped_database_loads_and_names_valid_configs():
 
 # ---- tune: pruning and bucket mapping --------------------------------------------------------------
 def test_prune_drops_duplicates_and_invalid_configs_keeping_order():
-    from attn_prologue import tune
+    from attn_prologue.lab import tune
 
     a, b = LaunchConfig(4, 1, True, True), LaunchConfig(8, 1, True, True)
     big = LaunchConfig(32, 1, True, True)  # 1024 threads: still valid
@@ -290,7 +304,7 @@ def test_prune_drops_duplicates_and_invalid_configs_keeping_order():
 
 
 def test_tune_shapes_follow_the_variant():
-    from attn_prologue import tune
+    from attn_prologue.lab import tune
 
     s = tune.shape_for("qkv_q8_d128r64_mxfp4_fp16_sm90", 64, 64, 64)
     assert (s.head_dim, s.cache_format, s.dtype, s.q_fp8, s.op) == (128, "mxfp4", "fp16", True, "qkv")
@@ -298,7 +312,7 @@ def test_tune_shapes_follow_the_variant():
 
 
 def test_tune_entries_take_the_fastest_config_per_bucket():
-    from attn_prologue import tune
+    from attn_prologue.lab import tune
 
     sweep = tune.Sweep()
     v = "qkv_d512r64_fp8_ds_mla_bf16_sm90"
@@ -317,7 +331,7 @@ def test_tune_entries_take_the_fastest_config_per_bucket():
 
 def test_target_checker_on_a_synthetic_bench_file():
     """`attn_prologue targets` reads a bench JSON; each bound is checked on the side it names."""
-    from attn_prologue import bench
+    from attn_prologue.lab import bench
 
     def result(n, h, p, us, copy_us, compiled_us=None, zero_once=False):
         shape = dataclasses.asdict(bench.Shape(n=n, h=h, p=p, zero_once=zero_once))

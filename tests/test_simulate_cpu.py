@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_prologue import simulate as sim
 from attn_prologue.cli import main as cli_main
+from attn_prologue.lab import simulate as sim
 
 
 def run_schedule(prompts, max_tokens, decode_steps, num_blocks=None, bs=64, seed=0):

@@ -70,7 +70,7 @@ def eight_ptr(
 
 
 def timed(call, n=3000):
-    from attn_prologue.bench import host_time_us
+    from attn_prologue.lab.bench import host_time_us
 
     return host_time_us(call, n, warmup=200)
 

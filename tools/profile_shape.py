@@ -37,7 +37,7 @@ def main() -> None:
     sys.argv = sys.argv[:1]  # a module imported below parses sys.argv at import time
 
     import torch
-    from attn_prologue import bench
+    from attn_prologue.lab import bench
     from attn_prologue.launch import LaunchConfig
 
     shape = bench.Shape(

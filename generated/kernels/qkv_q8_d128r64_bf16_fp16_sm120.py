@@ -11,7 +11,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr, range_constexpr
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-from attn_prologue import kernel_lib as kl
+from attn_prologue.device import kernel_lib as kl
 
 VARIANT = "qkv_q8_d128r64_bf16_fp16_sm120"
 OP = "qkv"

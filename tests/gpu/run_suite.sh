@@ -18,7 +18,7 @@ set -e
 python3 - "$result" "$start" "$rc" "$*" <<'PY'
 import json, platform, sys, time, datetime, xml.etree.ElementTree as ET
 import torch
-from attn_prologue import compiler
+from attn_prologue.jit import compiler
 result, start, rc, extra = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 suite = ET.parse(result + ".xml").getroot()
 suite = suite if suite.tag == "testsuite" else suite.find("testsuite")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from attn_prologue import dispatch, ops
 from attn_prologue.formats import get_format
-from attn_prologue.generated import registry
 from attn_prologue.launch import LaunchConfig
+from attn_prologue.variants import ArchFamily, QOut, generated, parse_name
 
 from .cases import (
     CONFIG_KEYS,
@@ -25,7 +25,7 @@ from .cases import (
 
 pytestmark = pytest.mark.gpu
 
-SM90 = sorted(n for n, row in registry.VARIANTS.items() if row[6] == "sm90")
+SM90 = sorted(n for n in generated() if parse_name(n).arch is ArchFamily.SM90)
 
 
 def check(case: Case, **kw):
@@ -39,14 +39,14 @@ def check(case: Case, **kw):
 
 
 def cases_for(name: str) -> list[Case]:
-    info = dispatch.variant_info(name)
+    v = parse_name(name)
     base = dict(
-        head_dim=info.head_dim,
-        rope_dim=info.rope_dim,
-        cache_format=info.cache_format,
-        dtype=info.io_dtype,
-        op=info.op,
-        q_fp8=info.q_out == "fp8",
+        head_dim=v.head_dim,
+        rope_dim=v.rope_dim,
+        cache_format=v.cache_format,
+        dtype=v.io_dtype.value,
+        op=v.op.value,
+        q_fp8=v.q_out is QOut.FP8,
     )
     return [
         Case(n=1, h=8, p=16, block_size=16, seed=1, **base),
@@ -209,7 +209,7 @@ def test_checked_mode_counts_and_skips_out_of_range():
     x.slot_mapping[5] = capacity + 1000
     x.positions[7] = x.cos_sin_cache.shape[0]  # one past the table
     x.positions[9] = -2
-    err = ops.errors_buffer(x.kv.device)
+    err = dispatch.default_runtime().errors_buffer(x.kv.device)
     err.zero_()
     got = run_kernel(x, checked=True)
     torch.cuda.synchronize()

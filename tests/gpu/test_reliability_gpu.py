@@ -9,7 +9,7 @@ import warnings
 import attn_prologue as ap
 import pytest
 import torch
-from attn_prologue import ops, reference, selftest
+from attn_prologue import dispatch, ops, reference, selftest
 from attn_prologue.errors import InputError, ScratchError
 
 from ..bad_inputs import BS, CASES, CUDA_ONLY, D, H, N, P, snapshot, unchanged, valid
@@ -128,7 +128,7 @@ def test_checked_mode_guard_regions_and_exact_count():
         slots[i] = v
     for i, v in bad_pos.items():
         pos[i] = v
-    err = ops.errors_buffer(q_in.device)
+    err = dispatch.default_runtime().errors_buffer(q_in.device)
     err.zero_()
     ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs, checked=True)
     torch.cuda.synchronize()
@@ -145,49 +145,41 @@ def test_checked_mode_guard_regions_and_exact_count():
     assert torch.equal(k_cache, want)
 
 
+def call_on(runtime, args):
+    ops.qnorm_rope_kv_insert(
+        *(args[k] for k in ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache")),
+        args["eps"], args["block_size"], args["cache_format"], runtime=runtime,
+    )  # fmt: skip
+
+
 def test_self_test_fallback_with_injected_fault(monkeypatch, tmp_path):
+    # "always": SM90 variants have no distinct fallback, so the machinery is exercised on themselves
     monkeypatch.setenv(selftest.ENV_MODE, "always")
     monkeypatch.setenv(selftest.ENV_FAULT, "1")
-    monkeypatch.setattr(selftest, "record_path", lambda: tmp_path / "selftest.json")
-    selftest._memo.clear()
-    ops._bound.clear()
-    ops._fast_qkv.clear()
+    rt = dispatch.Runtime(selftest_records=selftest.Records(tmp_path))
     args = valid("cuda")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        call(args)
+        call_on(rt, args)
     msgs = [str(w.message) for w in caught if issubclass(w.category, selftest.SelfTestWarning)]
     assert msgs and "FAILED" in msgs[0] and "Falling back" in msgs[0]
     import json
 
-    record = json.loads((tmp_path / "selftest.json").read_text())
+    record = json.loads((tmp_path / selftest.RECORD_NAME).read_text())
     entries = [e for env in record.values() for e in env.values()]
     assert entries and all(not e["ok"] and e["use"].endswith(("_sm90", "_portable")) for e in entries)
-    # the bound (fallback) kernel is correct, and a second bind reads the record instead of re-testing
+    # the bound (fallback) kernel is correct, and a second runtime reads the record instead of re-testing
     ref = valid("cuda")
     reference.qnorm_rope_kv_insert(
-        ref["q_in"],
-        ref["kv"],
-        ref["q_out"],
-        ref["k_cache"],
-        ref["slot_mapping"],
-        ref["positions"],
-        ref["cos_sin_cache"],
-        1e-6,
-        ref["block_size"],
-    )
+        *(ref[k] for k in ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache")),
+        1e-6, ref["block_size"],
+    )  # fmt: skip
     torch.cuda.synchronize()
     assert torch.equal(args["k_cache"], ref["k_cache"])
-    selftest._memo.clear()
     monkeypatch.setattr(
         selftest, "run", lambda *a, **k: pytest.fail("self-test ran again despite the record")
     )
-    ops._bound.clear()
-    ops._fast_qkv.clear()
-    call(valid("cuda"))
-    selftest._memo.clear()
-    ops._bound.clear()
-    ops._fast_qkv.clear()
+    call_on(dispatch.Runtime(selftest_records=selftest.Records(tmp_path)), valid("cuda"))
 
 
 def test_endurance_10000_graph_replays():

@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from attn_prologue import simulate as sim
+from attn_prologue.lab import simulate as sim
 
 pytestmark = pytest.mark.gpu
 

@@ -2,16 +2,16 @@
 heuristic's config when both are re-timed afterwards."""
 
 import pytest
-import torch
-from attn_prologue import dispatch, ops, tune, tuning
+from attn_prologue import dispatch, tuning
+from attn_prologue.lab import tune
 
 pytestmark = pytest.mark.gpu
 
 
 def test_small_sweep_beats_or_ties_the_heuristic(tmp_path):
-    arch, _ = ops.device_target(torch.device("cuda", torch.cuda.current_device()))
-    variant = f"qkv_d512r64_fp8_ds_mla_bf16_{arch}"
-    default = dispatch.default_config(arch)
+    arch = dispatch.default_runtime().device().arch
+    variant = f"qkv_d512r64_fp8_ds_mla_bf16_{arch.value}"
+    default = arch.default_config
     configs = tune.prune([default, *tune.DEFAULT_SPACE[:6]])
     buckets = [1, 64, 2048]
     sweep = tune.run([variant], buckets, configs, jobs=2, replays=10, log=lambda msg: None)

@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .formats import get_format
+from .. import dispatch, ops
+from ..formats import get_format
+from ..variants import IoDtype, Op, QOut, Request
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,13 @@ class Shape:
     def label(self) -> str:
         pads = "" if self.p == self.h else (" zero-once" if self.zero_once else " write-pads")
         return f"{self.op} {self.cache_format} D={self.head_dim} T={self.n} H={self.h} P={self.p}{pads}"
+
+    @property
+    def request(self) -> Request:
+        q_out = QOut.FP8 if self.q_fp8 else QOut.IO
+        return Request(
+            Op(self.op), self.head_dim, self.rope_dim, self.cache_format, IoDtype(self.dtype), q_out
+        )
 
     def min_bytes(self) -> int:
         fmt = get_format(self.cache_format)
@@ -96,9 +105,9 @@ def copy_fns(nbytes: int, sets: int, kind: str = "sm") -> list[Callable[[], None
         s.random_(-(2**31), 2**31 - 1)
     if kind == "memcpy":
         return [lambda s=s, d=d: d.copy_(s) for s, d in bufs]
-    from . import copy_kernel, ops
+    from . import copy_kernel
 
-    fn = copy_kernel.compiled(ops.device_target(torch.device("cuda", torch.cuda.current_device()))[1])
+    fn = copy_kernel.compiled(dispatch.default_runtime().device().target)
     return [lambda s=s, d=d: fn(s, d) for s, d in bufs]
 
 
@@ -154,7 +163,7 @@ class Result:
 
 def input_sets(shape: Shape, sets: int) -> list[dict]:
     fmt = get_format(shape.cache_format)
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
+    dt = IoDtype(shape.dtype).torch_dtype
     d, n = shape.head_dim, shape.n
     out = []
     g = torch.Generator(device="cuda").manual_seed(1234)
@@ -201,7 +210,7 @@ def sets_for_cold_l2(shape: Shape) -> int:
 def op_fns(
     shape: Shape, sets: list[dict], impl: str = "kernel", config=None, checked: bool = False
 ) -> list[Callable[[], None]]:
-    from . import ops, reference
+    from .. import reference
 
     fns = []
     for s in sets:
@@ -336,7 +345,7 @@ class HostCalls:
 
 
 def host_calls(shape: Shape) -> HostCalls:
-    from . import api, ops, scratch
+    from .. import api, scratch
 
     s = input_sets(shape, 1)[0]
     args = (
@@ -352,23 +361,13 @@ def host_calls(shape: Shape) -> HostCalls:
         shape.cache_format,
     )
     ops.qnorm_rope_kv_insert(*args)
-    fns, errors, _, _ = ops._bind_qkv(s["q_in"], s["cos_sin_cache"], shape.cache_format, False, None, None)
-    fn, max_ctas = fns[min((shape.n - 1).bit_length(), ops.MAX_BUCKET_LOG2)]
-    raw = (
-        s["q_in"],
-        s["kv"],
-        s["q_out"],
-        s["k_cache"],
-        s["slot_mapping"],
-        s["positions"],
-        s["cos_sin_cache"],
-        errors,
-        1e-6,
-        shape.block_size,
-        shape.p,
-        0,
-        max_ctas,
-    )
+    rt = dispatch.default_runtime()
+    launcher = rt.launchers(shape.request, heads=shape.h, written=shape.p)[dispatch.bucket_index(shape.n)]
+    fn = launcher.fn
+    raw = tuple(s[name] for name in ops.QKV_TENSORS) + launcher.tail(
+        ops.QKV_TENSORS, errors=rt.errors_buffer(), eps=1e-6, block_size=shape.block_size, n_write_heads=shape.p,
+        checked=0,
+    )  # fmt: skip
     fn(*raw)
     pool = scratch.ScratchPool()
     pool.reserve(max_tokens=shape.n, padded_heads=shape.p, head_dim=shape.head_dim, micro_batches=1)
@@ -391,8 +390,6 @@ def host_overhead_us(shape: Shape, calls: int = 2000) -> dict:
     """Host wall time per eager call, T=1, calls issued back to back (the device work of a T=1
     call is ~2 us, so the host is the bottleneck and the loop measures it). Also measured: the
     bare TVM-FFI call with prebuilt arguments, and the call through torch.ops (custom-op boundary)."""
-    from . import ops
-
     c = host_calls(shape)
     out = {
         "median_us": host_time_us(lambda: ops.qnorm_rope_kv_insert(*c.args), calls),

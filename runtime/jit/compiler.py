@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..launch import LaunchConfig
 from . import artifacts
-from .launch import LaunchConfig
 
 KERNELS_PACKAGE = "attn_prologue.generated.kernels"
 SYMBOL = "attn_prologue_kernel"  # exported function name inside every kernel.so
@@ -47,7 +47,7 @@ def module_path(variant: str) -> Path:
 
 
 def kernel_lib_path() -> Path:
-    return Path(__file__).with_name("kernel_lib.py")
+    return Path(__file__).parent.parent / "device" / "kernel_lib.py"
 
 
 @functools.cache

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from ..launch import LaunchConfig
 from . import compiler
-from .launch import LaunchConfig
 
 ENV_CACHE_DIR = "ATTN_PROLOGUE_CACHE"
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import AttnPrologueError
-from .formats import get_format
+from ..errors import AttnPrologueError
+from ..formats import get_format
 
 CACHE_FORMAT = "fp8_ds_mla"
 HEAD_DIM = 512
@@ -462,7 +462,7 @@ def _pool_pass_body(
 ) -> dict:
     import attn_prologue as ap
 
-    from . import codecs, reference
+    from .. import codecs, reference
 
     fmt = get_format(CACHE_FORMAT)
     h, p, d, bs, L = opts.heads, opts.padded_heads, opts.head_dim, opts.block_size, opts.layers
@@ -799,7 +799,7 @@ def _allocating_pass_body(opts, schedule, max_pos, needed_blocks, device, budget
 
 def run(opts: SimOptions) -> dict:
     """Run the simulation on the current CUDA device; returns (and optionally writes) the results."""
-    from . import compiler
+    from ..jit import compiler
 
     if not torch.cuda.is_available():
         raise SimulationError("simulate needs a CUDA GPU")

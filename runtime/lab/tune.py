@@ -16,8 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import bench, dispatch
-from .launch import LaunchConfig
+from .. import dispatch
+from ..launch import LaunchConfig
+from ..variants import QOut, parse_name
+from . import bench
 
 # The default sweep: the knobs that won somewhere on the H200. Persistent grids never did (--space
 # full has them); register caps (min_ctas_per_sm) only pay for 4- and 8-warp CTAs of one pass, at 48
@@ -50,23 +52,15 @@ def prune(configs: list[LaunchConfig]) -> list[LaunchConfig]:
 
 
 def shape_for(variant: str, n: int, h: int, p: int, block_size: int = 64) -> bench.Shape:
-    info = dispatch.variant_info(variant)
+    v = parse_name(variant)
     return bench.Shape(
-        n=n,
-        h=h,
-        p=p,
-        head_dim=info.head_dim,
-        rope_dim=info.rope_dim,
-        cache_format=info.cache_format,
-        block_size=block_size,
-        op=info.op,
-        dtype=info.io_dtype,
-        q_fp8=info.q_out == "fp8",
-    )
+        n=n, h=h, p=p, head_dim=v.head_dim, rope_dim=v.rope_dim, cache_format=v.cache_format,
+        block_size=block_size, op=v.op.value, dtype=v.io_dtype.value, q_fp8=v.q_out is QOut.FP8,
+    )  # fmt: skip
 
 
 def _compile_job(cache_root: str, variant: str, config_key: str, target: str) -> tuple[str, str, str | None]:
-    from .kernel_cache import KernelCache, KernelKey
+    from ..jit.kernel_cache import KernelCache, KernelKey
 
     try:
         meta = KernelCache(cache_root).ensure_built(
@@ -108,12 +102,8 @@ def run(
     cache=None,
     log: Callable[[str], None] = print,
 ) -> Sweep:
-    import torch
-
-    from . import ops
-
-    cache = cache or ops.default_cache()
-    target = ops.device_target(torch.device("cuda", torch.cuda.current_device()))[1]
+    cache = cache or dispatch.default_runtime().cache
+    target = dispatch.default_runtime().device().target
     configs = prune(configs)
     sweep = Sweep()
     t0 = time.perf_counter()

@@ -10,7 +10,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, range_constexpr
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-from . import kernel_lib as kl
+from ..device import kernel_lib as kl
 
 THREADS = 256
 UNROLL = 4

@@ -1,0 +1,1 @@
+"""Device code shared by every generated kernel module (imports only the DSL)."""

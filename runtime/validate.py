@@ -1,0 +1,292 @@
+"""Validation of the caller's tensors, before anything is written.
+
+Every entry point runs these checks on its slow path (first call of a shape, or when a cheap
+per-call check or the compiled function's own argument check refuses a call); each failure is a
+typed InputError / UnsupportedError naming the argument and what it must be.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import InputError
+from .formats import get_format
+from .variants import ArchFamily, IoDtype, Op, QOut, Request, find
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fail(msg: str):
+    raise InputError(msg)
+
+
+def _check_cuda(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != device:
+        _fail(f"{name} is on {t.device}, expected {device} (all tensors must be on the same CUDA device)")
+
+
+def _check_aligned(name: str, t: torch.Tensor, align: int) -> None:
+    if t.data_ptr() % align:
+        _fail(
+            f"{name} data pointer must be {align}-byte aligned (got address % {align} = {t.data_ptr() % align})"
+        )
+
+
+def _check_rows(name: str, t: torch.Tensor, ndim: int, head_dim: int, dtype) -> None:
+    if t.dim() != ndim:
+        _fail(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        _fail(f"{name} dtype must be {dtype}, got {t.dtype}")
+    if t.shape[-1] != head_dim:
+        _fail(f"{name} last dim must be head_dim={head_dim}, got {t.shape[-1]}")
+    if t.stride(-1) != 1 or (ndim == 3 and t.stride(1) != head_dim and t.shape[1] > 1):
+        _fail(f"{name} must be contiguous within a row (strides {t.stride()}, need (*, {head_dim}, 1))")
+    if t.shape[0] > 1 and t.stride(0) % 8:
+        _fail(f"{name} row stride {t.stride(0)} must be a multiple of 8 elements (16 bytes)")
+    _check_aligned(name, t, 16)
+
+
+def check_supported(request: Request) -> None:
+    """UnsupportedError (the reason `list --why` gives, and the nearest generated variants) unless a
+    module exists for the request. Every arch family has the same (op, D, R, format, dtype, Q output)
+    set, so SM90's stands for all here; the dispatcher then finds the device's own."""
+    find(request, ArchFamily.SM90)
+
+
+def check_common(
+    *,
+    kv,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    block_size: int,
+    cache_format: str,
+    head_dim: int,
+    rope_dim: int,
+    io_dtype,
+    device: torch.device,
+    n_tokens: int,
+    kv_scale=None,
+    norm_weight=None,
+) -> None:
+    """Checks shared by every op; n_tokens is the row count positions must have."""
+    fmt = get_format(cache_format)
+    for name, t in (
+        ("kv", kv),
+        ("k_cache", k_cache),
+        ("slot_mapping", slot_mapping),
+        ("positions", positions),
+        ("cos_sin_cache", cos_sin_cache),
+    ):
+        _check_cuda(name, t, device)
+    _check_rows("kv", kv, 2, head_dim, io_dtype)
+    if (
+        slot_mapping.dtype != torch.int64
+        or slot_mapping.dim() != 1
+        or (slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1)
+    ):
+        _fail(
+            f"slot_mapping must be a contiguous 1-D int64 tensor, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+    if (
+        positions.dtype != torch.int64
+        or positions.dim() != 1
+        or (positions.numel() > 1 and positions.stride(0) != 1)
+    ):
+        _fail(
+            f"positions must be a contiguous 1-D int64 tensor, got {positions.dtype} {tuple(positions.shape)}"
+        )
+    if positions.shape[0] != n_tokens:
+        _fail(f"positions has {positions.shape[0]} rows, expected {n_tokens} (one per token)")
+    m = slot_mapping.shape[0]
+    if m > kv.shape[0]:
+        _fail(f"slot_mapping has {m} rows but kv has only {kv.shape[0]} (need M <= rows of kv)")
+    if m > n_tokens:
+        _fail(f"slot_mapping has {m} rows, more than the {n_tokens} tokens")
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != rope_dim:
+        _fail(
+            f"cos_sin_cache must be float32 [max_pos, {rope_dim}], got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}"
+        )
+    if not cos_sin_cache.is_contiguous():
+        _fail("cos_sin_cache must be contiguous")
+    _check_aligned("cos_sin_cache", cos_sin_cache, 16)
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        _fail(f"block_size must be a positive int, got {block_size!r}")
+    if k_cache.dtype != torch.uint8 or k_cache.dim() != 2:
+        _fail(
+            f"k_cache must be a 2-D uint8 view [num_blocks, block_bytes], got {k_cache.dtype} {tuple(k_cache.shape)}"
+        )
+    if k_cache.shape[0] > 0 and (k_cache.stride(1) != 1 or (k_cache.shape[0] > 1 and k_cache.stride(0) % 16)):
+        _fail(
+            f"k_cache must have byte stride 1 and a block stride that is a multiple of 16, got strides {k_cache.stride()}"
+        )
+    need = fmt.block_bytes(head_dim, block_size)
+    if k_cache.shape[1] < need:
+        _fail(
+            f"k_cache block holds {k_cache.shape[1]} bytes but block_size={block_size} {cache_format} tokens need {need} "
+            f"({fmt.bytes_per_token(head_dim)} per token): block_size is inconsistent with the cache"
+        )
+    if k_cache.shape[0] > 1 and k_cache.stride(0) < need:
+        _fail(f"k_cache block stride {k_cache.stride(0)} is smaller than the {need} bytes of a block")
+    _check_aligned("k_cache", k_cache, 16)
+    if fmt.needs_tensor_scale:
+        if kv_scale is None:
+            _fail(f"cache format {cache_format} needs kv_scale (a float32 CUDA tensor with one element)")
+        _check_scale("kv_scale", kv_scale, device)
+    elif kv_scale is not None:
+        _fail(f"cache format {cache_format} takes no kv_scale")
+    if norm_weight is not None:
+        _check_cuda("norm_weight", norm_weight, device)
+        if (
+            norm_weight.dtype != io_dtype
+            or norm_weight.shape != (head_dim,)
+            or not norm_weight.is_contiguous()
+        ):
+            _fail(
+                f"norm_weight must be a contiguous [{head_dim}] {io_dtype} tensor, got {norm_weight.dtype} {tuple(norm_weight.shape)}"
+            )
+        _check_aligned("norm_weight", norm_weight, 16)
+
+
+def _check_scale(name: str, t, device) -> None:
+    _check_cuda(name, t, device)
+    if t.dtype != torch.float32 or t.numel() != 1:
+        _fail(f"{name} must be a float32 tensor with one element, got {t.dtype} {tuple(t.shape)}")
+
+
+def check_qkv(
+    q_in,
+    kv,
+    q_out,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    eps,
+    block_size,
+    cache_format,
+    *,
+    q_scale=None,
+    kv_scale=None,
+):
+    """Validate a qnorm_rope_kv_insert call; returns (request, device, H, P)."""
+    if not isinstance(q_in, torch.Tensor):
+        _fail(f"q_in must be a torch.Tensor, got {type(q_in).__name__}")
+    device = q_in.device
+    io = IoDtype.of_torch(q_in.dtype)
+    if io is None:
+        _fail(f"q_in dtype must be bfloat16 or float16, got {q_in.dtype}")
+    if q_in.dim() != 3:
+        _fail(f"q_in must be [N, H, D], got shape {tuple(q_in.shape)}")
+    n, h, d = q_in.shape
+    rope_dim = (
+        cos_sin_cache.shape[-1]
+        if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dim() == 2
+        else -1
+    )
+    _check_rows("q_in", q_in, 3, d, q_in.dtype)
+    _check_cuda("q_out", q_out, device)
+    out_dtype = FP8 if q_scale is not None else q_in.dtype
+    if q_out.dtype != out_dtype:
+        hint = " (an FP8 q_out needs q_scale)" if q_out.dtype == FP8 else ""
+        _fail(f"q_out dtype must be {out_dtype}, got {q_out.dtype}{hint}")
+    if q_out.dim() != 3 or q_out.shape[2] != d:
+        _fail(f"q_out must be [N', P, {d}], got shape {tuple(q_out.shape)}")
+    if q_out.shape[0] < n:
+        _fail(f"q_out has {q_out.shape[0]} rows, fewer than the {n} tokens of q_in")
+    p = q_out.shape[1]
+    if p < h:
+        _fail(f"q_out has P={p} heads, fewer than the H={h} heads of q_in (need P >= H)")
+    if (
+        q_out.stride(2) != 1
+        or (p > 1 and q_out.stride(1) != d)
+        or (q_out.shape[0] > 1 and q_out.stride(0) % 16)
+    ):
+        _fail(f"q_out must be [N', P, D] with rows contiguous (strides {q_out.stride()})")
+    _check_aligned("q_out", q_out, 16)
+    if (
+        q_out.untyped_storage().data_ptr() == q_in.untyped_storage().data_ptr()
+        and q_out.numel()
+        and q_in.numel()
+    ):
+        if p != h or q_out.data_ptr() != q_in.data_ptr() or q_out.stride() != q_in.stride():
+            _fail("q_out may alias q_in only when it is the same tensor (in place, P == H)")
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[0] != n:
+        _fail(
+            f"kv must be [N, D] with one row per token: got {tuple(getattr(kv, 'shape', ()))} for {n} tokens of q_in"
+        )
+    if q_scale is not None:
+        _check_scale("q_scale", q_scale, device)
+    if not isinstance(eps, (float, int)) or not eps >= 0:
+        _fail(f"eps must be a non-negative float, got {eps!r}")
+    request = Request(Op.QKV, d, rope_dim, cache_format, io, QOut.FP8 if q_scale is not None else QOut.IO)
+    check_supported(request)
+    check_common(
+        kv=kv,
+        k_cache=k_cache,
+        slot_mapping=slot_mapping,
+        positions=positions,
+        cos_sin_cache=cos_sin_cache,
+        block_size=block_size,
+        cache_format=cache_format,
+        head_dim=d,
+        rope_dim=rope_dim,
+        io_dtype=q_in.dtype,
+        device=device,
+        n_tokens=n,
+        kv_scale=kv_scale,
+    )
+    return request, device, h, p
+
+
+def check_kv(
+    kv,
+    k_cache,
+    slot_mapping,
+    positions,
+    cos_sin_cache,
+    block_size,
+    cache_format,
+    *,
+    norm_weight=None,
+    eps=1e-6,
+    kv_scale=None,
+):
+    if not isinstance(kv, torch.Tensor):
+        _fail(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    io = IoDtype.of_torch(kv.dtype)
+    if io is None:
+        _fail(f"kv dtype must be bfloat16 or float16, got {kv.dtype}")
+    if kv.dim() != 2:
+        _fail(f"kv must be [M, D], got shape {tuple(kv.shape)}")
+    rope_dim = (
+        cos_sin_cache.shape[-1]
+        if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dim() == 2
+        else -1
+    )
+    if not isinstance(eps, (float, int)) or not eps >= 0:
+        _fail(f"eps must be a non-negative float, got {eps!r}")
+    request = Request(
+        Op.KV_NORM if norm_weight is not None else Op.KV, kv.shape[1], rope_dim, cache_format, io
+    )
+    check_supported(request)
+    check_common(
+        kv=kv,
+        k_cache=k_cache,
+        slot_mapping=slot_mapping,
+        positions=positions,
+        cos_sin_cache=cos_sin_cache,
+        block_size=block_size,
+        cache_format=cache_format,
+        head_dim=kv.shape[1],
+        rope_dim=rope_dim,
+        io_dtype=kv.dtype,
+        device=kv.device,
+        n_tokens=positions.shape[0] if isinstance(positions, torch.Tensor) and positions.dim() == 1 else -1,
+        kv_scale=kv_scale,
+        norm_weight=norm_weight,
+    )
+    return request, kv.device

@@ -1,0 +1,319 @@
+"""The variant space as plain data, shared by codegen and the serving path.
+
+Every axis is an Enum with its small name tables; `Variant.name` is the one identity (module file,
+registry key, kernel-cache key); `unsupported_reason` is the one predicate that says why a
+combination is not generated; `ArchFamily` holds the arch facts (capability -> family -> compile
+targets, native conversions, default launch config). Codegen enumerates and renders the space;
+the runtime reads the generated registry (the sorted names) and resolves requests with `find`.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import itertools
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+
+from .errors import UnsupportedError
+from .formats import FORMATS, CacheFormat, ElementCode, ScaleCode, get_format
+from .launch import LaunchConfig
+
+
+class Op(enum.Enum):
+    QKV = "qkv"  # Q norm + RoPE into q_out, KV RoPE + quantize + insert
+    KV = "kv"  # KV RoPE + quantize + insert only
+    KV_NORM = "kv_norm"  # KV weighted RMSNorm (rounded to the I/O dtype), RoPE, quantize, insert
+
+    @property
+    def has_q(self) -> bool:
+        return self is Op.QKV
+
+
+class QOut(enum.Enum):
+    IO = "io"  # q_out in the I/O dtype
+    FP8 = "fp8"  # q_out as e4m3 with a per-tensor float32 scale (for FP8 attention)
+
+    @property
+    def name_part(self) -> str:
+        return "_q8" if self is QOut.FP8 else ""
+
+
+class IoDtype(enum.Enum):
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def dsl(self) -> str:
+        return {"bf16": "cutlass.BFloat16", "fp16": "cutlass.Float16"}[self.value]
+
+    @property
+    def torch_dtype(self):
+        import torch  # here, not at the top: codegen imports this module and needs no torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+
+    @classmethod
+    def of_torch(cls, dtype) -> IoDtype | None:
+        """The I/O dtype of a torch dtype, or None if kernels take no such dtype."""
+        return next((io for io in cls if io.torch_dtype == dtype), None)
+
+
+class Conversions(enum.Enum):
+    NATIVE = "native"  # hardware UE8M0 / E2M1 conversions (SM100, SM120)
+    PORTABLE = "portable"  # integer UE8M0 and software E2M1 (SM90; the fallback elsewhere)
+
+
+# Launch defaults per family; codegen/archs.py gives the arithmetic behind each and what was measured.
+_SM90_DEFAULT = LaunchConfig(warps_per_cta=4, pdl=True, non_coherent=True, streaming=True)
+_SM120_DEFAULT = LaunchConfig(warps_per_cta=2, pdl=True, non_coherent=True, streaming=True)
+
+
+class ArchFamily(enum.Enum):
+    SM90 = "sm90"
+    SM100 = "sm100"
+    SM120 = "sm120"
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """Compile targets. A cubin for sm_120a does not load on sm_121a (GB10): build both."""
+        return tuple(t for fam, t in CAPABILITIES.values() if fam is self)
+
+    @property
+    def has_native_block_conversions(self) -> bool:
+        """cvt.rp.satfinite.ue8m0x2.f32 and cvt.rn.satfinite.e2m1x2.f32 exist."""
+        return self is not ArchFamily.SM90
+
+    @property
+    def default_conversions(self) -> Conversions:
+        return Conversions.NATIVE if self.has_native_block_conversions else Conversions.PORTABLE
+
+    @property
+    def default_config(self) -> LaunchConfig:
+        return {"sm90": _SM90_DEFAULT, "sm100": _SM90_DEFAULT, "sm120": _SM120_DEFAULT}[self.value]
+
+
+# compute capability -> (arch family, compile target): the one table the runtime dispatches on
+CAPABILITIES: dict[tuple[int, int], tuple[ArchFamily, str]] = {
+    (9, 0): (ArchFamily.SM90, "sm_90a"),
+    (10, 0): (ArchFamily.SM100, "sm_100a"),
+    (12, 0): (ArchFamily.SM120, "sm_120a"),
+    (12, 1): (ArchFamily.SM120, "sm_121a"),
+}
+TARGETS = tuple(t for _, t in CAPABILITIES.values())
+
+
+def arch_for_capability(major: int, minor: int) -> tuple[ArchFamily, str]:
+    """(family, compile target) of a compute capability, or an UnsupportedError listing the known ones."""
+    try:
+        return CAPABILITIES[(major, minor)]
+    except KeyError:
+        known = ", ".join(f"{a}.{b} ({t})" for (a, b), (_, t) in sorted(CAPABILITIES.items()))
+        raise UnsupportedError(
+            f"no kernels for compute capability {major}.{minor}; supported: {known}"
+        ) from None
+
+
+OPS = tuple(Op)
+Q_OUTS = tuple(QOut)
+IO_DTYPES = tuple(IoDtype)
+ARCH_FAMILIES = tuple(ArchFamily)
+CONVERSIONS = tuple(Conversions)
+# (head dim, rope dim) pairs generated; the template takes any D with D % 256 == 0 or D == 128.
+HEAD_DIMS = ((512, 64), (128, 64))
+
+
+@dataclass(frozen=True, order=True)
+class Variant:
+    """The identity of one generated kernel module."""
+
+    op: Op
+    q_out: QOut
+    head_dim: int
+    rope_dim: int
+    cache_format: str
+    io_dtype: IoDtype
+    arch: ArchFamily
+    conversions: Conversions
+
+    @cached_property
+    def name(self) -> str:
+        portable = self.conversions is Conversions.PORTABLE and self.arch.has_native_block_conversions
+        return (
+            f"{self.op.value}{self.q_out.name_part}_d{self.head_dim}r{self.rope_dim}_{self.cache_format}"
+            f"_{self.io_dtype.value}_{self.arch.value}{'_portable' if portable else ''}"
+        )
+
+    @property
+    def format(self) -> CacheFormat:
+        return get_format(self.cache_format)
+
+    @property
+    def uses_arch_conversions(self) -> bool:
+        """Does the format need a UE8M0 or E2M1 conversion (the arch-specific pieces)?"""
+        f = self.format
+        return f.scale in (ScaleCode.UE8M0, ScaleCode.F32_POW2) or f.element is ElementCode.E2M1
+
+    @property
+    def portable_fallback(self) -> Variant | None:
+        """The portable-conversion module of the same variant, where it is a different module."""
+        if self.conversions is Conversions.NATIVE and self.uses_arch_conversions:
+            return _replace(self, conversions=Conversions.PORTABLE)
+        return None
+
+    @cached_property
+    def arguments(self) -> tuple[str, ...]:
+        """Run-time arguments of the compiled function, in order (the stream is the current torch
+        stream). The template renders its signature from this, so it is the one argument order."""
+        op, fmt = self.op, self.format
+        names = ["q_in"] if op is Op.QKV else []
+        names.append("kv")
+        if op is Op.QKV:
+            names.append("q_out")
+        if op is Op.KV_NORM:
+            names.append("norm_weight")
+        names += ["k_cache", "slot_mapping", "positions", "cos_sin_cache"]
+        if fmt.needs_tensor_scale:
+            names.append("kv_scale")
+        if self.q_out is QOut.FP8:
+            names.append("q_scale")
+        names.append("errors")
+        if op in (Op.QKV, Op.KV_NORM):
+            names.append("eps")
+        names.append("block_size")
+        if op is Op.QKV:
+            names.append("n_write_heads")
+        names += ["checked", "max_ctas"]
+        return tuple(names)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _replace(v: Variant, **changes) -> Variant:
+    fields = {f: getattr(v, f) for f in Variant.__dataclass_fields__}
+    fields.update(changes)
+    return Variant(**fields)
+
+
+def unsupported_reason(v: Variant) -> str | None:
+    """Why a combination is not generated (None: supported). One predicate for the whole space."""
+    f = v.format
+    d, r = v.head_dim, v.rope_dim
+    if not (d == 128 or d % 256 == 0):
+        return f"head_dim={d}: the lane mapping needs D == 128 or D % 256 == 0"
+    if r % 8 != 0 or not 0 < r <= d:
+        return f"rope_dim={r}: needs 0 < R <= D and R % 8 == 0 (a 128-bit vector holds 4 rope pairs)"
+    if not f.supports_head_dim(d, r):
+        return f"{f.name} stores D={f.head_dim}/R={f.rope_dim} records, not D={d}/R={r}"
+    if f.quant_block and f.dims(d)[0] % f.quant_block:
+        return f"{f.name}: {f.dims(d)[0]} quantized dims are not a multiple of the block {f.quant_block}"
+    if v.q_out is QOut.FP8 and not v.op.has_q:
+        return f"op {v.op.value} writes no Q, so an FP8 Q output does not apply"
+    if v.conversions is Conversions.NATIVE and not v.arch.has_native_block_conversions:
+        return f"{v.arch.value} has no native ue8m0x2/e2m1x2 conversions (use the portable ones)"
+    if (
+        v.conversions is Conversions.PORTABLE
+        and v.arch.has_native_block_conversions
+        and not v.uses_arch_conversions
+    ):
+        return f"{f.name} uses no UE8M0/E2M1 conversion, so a portable {v.arch.value} module would equal the native one"
+    return None
+
+
+def all_combinations() -> Iterator[Variant]:
+    """Every point of the axes' product, supported or not."""
+    for op, q_out, (d, r), fmt, dt, arch, cv in itertools.product(
+        OPS, Q_OUTS, HEAD_DIMS, sorted(FORMATS), IO_DTYPES, ARCH_FAMILIES, CONVERSIONS
+    ):
+        yield Variant(op, q_out, d, r, fmt, dt, arch, cv)
+
+
+def _alternatives(values) -> str:
+    return "|".join(sorted((re.escape(str(v)) for v in values), key=len, reverse=True))
+
+
+_NAME = re.compile(
+    rf"(?P<op>{_alternatives(o.value for o in Op)})(?P<q8>_q8)?_d(?P<d>\d+)r(?P<r>\d+)"
+    rf"_(?P<fmt>{_alternatives(FORMATS)})_(?P<io>{_alternatives(i.value for i in IoDtype)})"
+    rf"_(?P<arch>{_alternatives(a.value for a in ArchFamily)})(?P<portable>_portable)?"
+)
+
+
+def parse_name(name: str) -> Variant:
+    """The inverse of Variant.name, for any combination (supported or not)."""
+    m = _NAME.fullmatch(name)
+    if m is None:
+        raise UnsupportedError(f"{name!r} is not a variant name (e.g. qkv_d512r64_fp8_ds_mla_bf16_sm90)")
+    arch = ArchFamily(m["arch"])
+    v = Variant(
+        Op(m["op"]),
+        QOut.FP8 if m["q8"] else QOut.IO,
+        int(m["d"]),
+        int(m["r"]),
+        m["fmt"],
+        IoDtype(m["io"]),
+        arch,
+        Conversions.PORTABLE if m["portable"] else arch.default_conversions,
+    )
+    if v.name != name:
+        raise UnsupportedError(f"{name!r} is not a variant name (did you mean {v.name!r}?)")
+    return v
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a caller asks for; `find` turns it into the generated variant for an arch family."""
+
+    op: Op
+    head_dim: int
+    rope_dim: int
+    cache_format: str
+    io_dtype: IoDtype
+    q_out: QOut = QOut.IO
+    conversions: Conversions | None = None  # None: the arch's default
+
+    def variant(self, arch: ArchFamily) -> Variant:
+        cv = self.conversions or arch.default_conversions
+        v = Variant(
+            self.op, self.q_out, self.head_dim, self.rope_dim, self.cache_format, self.io_dtype, arch, cv
+        )
+        if cv is Conversions.PORTABLE and unsupported_reason(v) and arch.has_native_block_conversions:
+            v = _replace(
+                v, conversions=Conversions.NATIVE
+            )  # formats without arch conversions have one module
+        return v
+
+
+@functools.cache
+def generated() -> frozenset[str]:
+    """Names of the generated modules (the registry). Read on first use: codegen, which writes the
+    registry, imports this module before the registry exists."""
+    from .generated import registry
+
+    return frozenset(registry.VARIANTS)
+
+
+def find(request: Request, arch: ArchFamily) -> Variant:
+    """The generated variant for a request, or an UnsupportedError whose message is the reason
+    `list --why` prints for that combination plus the nearest generated variants."""
+    get_format(request.cache_format)  # an unknown name: UnknownFormatError listing the known ones
+    v = request.variant(arch)
+    why = unsupported_reason(v)
+    if why is None and v.name in generated():
+        return v
+    why = why or "it is supported but was not generated (run `python -m attn_prologue generate`)"
+    raise UnsupportedError(f"no kernel variant {v.name}: {why}; nearest generated: {', '.join(nearest(v))}")
+
+
+def nearest(v: Variant, count: int = 3) -> list[str]:
+    """The generated variants that differ from v on the fewest axes (ties by name)."""
+    mine = {f: getattr(v, f) for f in Variant.__dataclass_fields__}
+
+    def distance(name: str) -> int:
+        other = parse_name(name)
+        return sum(getattr(other, f) != value for f, value in mine.items())
+
+    return sorted(generated(), key=lambda n: (distance(n), n))[:count]
