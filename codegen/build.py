@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from attn_prologue import tuning
 from attn_prologue.jit import compiler
 from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.launch import LaunchConfig
@@ -34,7 +35,6 @@ def shard_of(v: Variant) -> str:
 def tuned_configs() -> dict[tuple[str, str], set[LaunchConfig]]:
     """(variant, target) -> configs the tuning database (shipped or $ATTN_PROLOGUE_TUNING_DB) names:
     the dispatcher may pick them at run time, so `build` compiles them too."""
-    from attn_prologue import tuning
 
     out: dict[tuple[str, str], set[LaunchConfig]] = collections.defaultdict(set)
     db = tuning.TuningDatabase.load(tuning.database_path())

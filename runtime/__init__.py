@@ -2,39 +2,37 @@
 prologue (Q RMSNorm + RoPE, KV RoPE, block-scaled quantization, paged KV-cache insert).
 
 Serving: `ScratchPool`, `bind` (per layer), or the one-call functions `qnorm_rope_kv_insert` and
-`kv_rope_insert` (also registered as torch.ops.attn_prologue.*). Build: `python -m attn_prologue
-generate | build`. Everything below imports lazily, so `import attn_prologue` stays cheap.
+`kv_rope_insert`; importing the package registers them as torch.ops.attn_prologue.* too. Build:
+`python -m attn_prologue generate | build`. Nothing here imports the DSL compiler or Jinja.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "ScratchPool": ("scratch", "ScratchPool"),
-    "bind": ("api", "bind"),
-    "BoundOp": ("api", "BoundOp"),
-    "qnorm_rope_kv_insert": ("torch_op", "qnorm_rope_kv_insert"),
-    "kv_rope_insert": ("torch_op", "kv_rope_insert"),
-    "decode_cache": ("codecs", "decode_cache"),
-    "FORMATS": ("formats", "FORMATS"),
-    "get_format": ("formats", "get_format"),
-    "LaunchConfig": ("launch", "LaunchConfig"),
-    "AttnPrologueError": ("errors", "AttnPrologueError"),
-    "UnsupportedError": ("errors", "UnsupportedError"),
-    "InputError": ("errors", "InputError"),
-    "ScratchError": ("errors", "ScratchError"),
-}
+from .api import BoundOp, bind
+from .codecs import decode_cache
+from .dispatch import Runtime, default_runtime
+from .errors import AttnPrologueError, InputError, ScratchError, UnsupportedError
+from .formats import FORMATS, get_format
+from .launch import LaunchConfig
+from .scratch import ScratchPool
+from .torch_op import kv_rope_insert, qnorm_rope_kv_insert
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(f".{module}", __name__), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'attn_prologue' has no attribute {name!r}")
+__all__ = [
+    "FORMATS",
+    "AttnPrologueError",
+    "BoundOp",
+    "InputError",
+    "LaunchConfig",
+    "Runtime",
+    "ScratchError",
+    "ScratchPool",
+    "UnsupportedError",
+    "bind",
+    "decode_cache",
+    "default_runtime",
+    "get_format",
+    "kv_rope_insert",
+    "qnorm_rope_kv_insert",
+]

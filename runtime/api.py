@@ -18,7 +18,7 @@ import sys
 import torch
 
 from . import ops, validate
-from .dispatch import Runtime, bucket_index, default_runtime
+from .dispatch import MAX_BUCKET_LOG2, Runtime, default_runtime
 from .errors import InputError, ScratchError
 from .formats import get_format
 from .launch import LaunchConfig
@@ -143,7 +143,7 @@ class BoundOp:
                 raise
         if n == 0:
             return out[:0]
-        fn, tail = self._calls[bucket_index(n)]
+        fn, tail = self._calls[min((n - 1).bit_length(), MAX_BUCKET_LOG2)]  # bucket_index(n), inlined
         try:
             fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, *tail)
         except Exception as exc:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import validate
-from .dispatch import Runtime, bucket_index, default_runtime
+from .dispatch import MAX_BUCKET_LOG2, Runtime, default_runtime
 from .errors import InputError
 from .formats import get_format
 from .launch import LaunchConfig
@@ -110,7 +110,7 @@ def qnorm_rope_kv_insert(
             )  # fmt: skip
     if n == 0:
         return
-    fn, tail = shape.calls[bucket_index(n)]
+    fn, tail = shape.calls[min((n - 1).bit_length(), MAX_BUCKET_LOG2)]  # bucket_index(n), inlined
     out = q_out if q_scale is None else q_out.view(torch.uint8)
     scales = (
         () if kv_scale is None and q_scale is None else tuple(t for t in (kv_scale, q_scale) if t is not None)
@@ -180,7 +180,7 @@ def kv_rope_insert(
     m = slot_mapping.shape[0]
     if m == 0:
         return
-    fn, tail = shape.calls[bucket_index(m)]
+    fn, tail = shape.calls[min((m - 1).bit_length(), MAX_BUCKET_LOG2)]  # bucket_index(m), inlined
     scale = () if kv_scale is None else (kv_scale,)
     try:
         fn(kv, *norm, k_cache, slot_mapping, positions, cos_sin_cache, *scale, *tail)

@@ -35,7 +35,7 @@ from attn_prologue.formats import FORMATS, ElementCode, ScaleCode
 from attn_prologue.jit import compiler
 from attn_prologue.jit.kernel_cache import CorruptEntryWarning, KernelCache, KernelKey
 from attn_prologue.launch import LaunchConfig, all_configs
-from attn_prologue.variants import Conversions, Op, QOut, Variant, parse_name
+from attn_prologue.variants import TARGETS, Conversions, Op, QOut, Variant, parse_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def test_build_covers_every_axis_on_every_target():
     by_target = collections.defaultdict(list)
     for v, k in ENTRIES:
         by_target[k.target].append(v)
-    assert set(by_target) == set(compiler.TARGETS)
+    assert set(by_target) == set(TARGETS)
     for target, vs in by_target.items():
         assert {v.cache_format for v in vs} == set(FORMATS), target
         assert {(v.op, v.q_out) for v in vs} == {
@@ -111,7 +111,7 @@ def test_build_reports_every_kernel(built):
     assert f"build: {len(VARIANTS)} variants" in built.output
     assert f"build: {len(ENTRIES)} kernels ready" in built.output
     table = built.output[built.output.index("target ") :]
-    for target in compiler.TARGETS:
+    for target in TARGETS:
         assert re.search(rf"^{target}\s+{sum(k.target == target for _, k in ENTRIES)}\s", table, re.M), target
 
 
@@ -531,10 +531,7 @@ def test_full_build_graph_is_complete(tmp_path):
         len(keys)
         == len({(k.variant, k.target, k.config.key) for _, k in keys})
         == 352
-        + sum(
-            len(cs - {parse_name(v).arch.default_config})
-            for (v, _), cs in build.tuned_configs().items()
-        )
+        + sum(len(cs - {parse_name(v).arch.default_config}) for (v, _), cs in build.tuned_configs().items())
     )
     build.write_graph(KernelCache(root), keys, root / "build" / "build.ninja")
     edges = _check_graph(root, keys)

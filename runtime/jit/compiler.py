@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from ..launch import LaunchConfig
+from ..variants import TARGETS
 from . import artifacts
 
 KERNELS_PACKAGE = "attn_prologue.generated.kernels"
@@ -30,7 +31,6 @@ DSL_PACKAGES = (
     "nvidia-cutlass-dsl-libs-cu13",
     "apache-tvm-ffi",
 )
-TARGETS = ("sm_90a", "sm_100a", "sm_120a", "sm_121a")
 
 
 class CompileError(RuntimeError):

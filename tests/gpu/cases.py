@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from attn_prologue import reference
 from attn_prologue.formats import get_format
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from attn_prologue.variants import IoDtype
 
 # Launch configs covering every knob: CTA size, passes per warp, PDL, ld.global.nc, persistent grids
 # (cases with n=513 exceed 4 CTAs x 132 SMs, so warps stride), KV spread, streaming hints with a
@@ -88,7 +87,7 @@ class Inputs:
 
 def make_inputs(c: Case, device="cuda") -> Inputs:
     g = torch.Generator(device=device).manual_seed(c.seed)
-    dt = DTYPES[c.dtype]
+    dt = IoDtype(c.dtype).torch_dtype
     fmt = get_format(c.cache_format)
     m = c.n if c.m is None else c.m
     d = c.head_dim
