@@ -71,6 +71,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # inductor compiles C++ per case: 5-45 s each on 2 cores
 @pytest.mark.parametrize("fmt_name,d,r,order", CASES)
 def test_qnorm_rope_kv_insert_compiled_equals_eager(fmt_name, d, r, order):
     torch._dynamo.reset()
@@ -97,6 +98,7 @@ def test_qnorm_rope_kv_insert_compiled_equals_eager(fmt_name, d, r, order):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_kv_rope_insert_with_norm_compiled_equals_eager():
     torch._dynamo.reset()
     d, r, bs = 128, 64, 4
