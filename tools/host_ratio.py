@@ -75,6 +75,7 @@ def main() -> int:
     base = us["x.add_(1)"]
     out = {
         "label": args.label,
+        "package": ap.__file__,  # which installed version ran
         "argv": sys.argv,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -14,6 +14,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import platform
 import subprocess
 import tempfile
 import time
@@ -69,6 +70,13 @@ def dsl_fingerprint() -> str:
         except importlib.metadata.PackageNotFoundError:
             parts.append(f"{pkg}==absent")
     return hashlib.sha256(";".join(parts).encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def host_tag() -> str:
+    """The host a linked .so runs on (OS and CPU architecture): a cache built on x86-64 is no use
+    on an aarch64 GB10, so this is part of every cache key."""
+    return f"{platform.system().lower()}-{platform.machine()}"
 
 
 def dsl_versions() -> dict:
@@ -139,6 +147,7 @@ def compile_entry(variant: str, config: LaunchConfig, target: str, out_dir: Path
         "target": target,
         "dsl_fingerprint": dsl_fingerprint(),
         "dsl_versions": dsl_versions(),
+        "host": host_tag(),
         "source_hash": source_hash(variant),
         "compile_seconds": round(compile_seconds, 3),
         "resources": artifacts.cubin_resources(cubin),
