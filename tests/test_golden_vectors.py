@@ -90,11 +90,13 @@ HAND_BYTES = {
     "mxfp4": lambda d: (64, 4),  # 128 e2m1 packed two per byte | 4 UE8M0 (one per 32)
     "bf16": lambda d: (2 * d, 0),
     "fp8_tensor": lambda d: (d, 0),
+    "nvfp4_v41": lambda d: (256, 32),  # 512 e2m1 packed two per byte | 32 E4M3 (one per 16)
+    "nvfp4_dsv4": lambda d: (224 + 2 * 64, 28 + 4),  # 448 e2m1 + 64 bf16 | 28 E4M3 + 4 zero bytes
 }
 
 
 def test_format_table_matches_spec():
-    """formats.py byte counts equal the spec table (584 / 528 / 132 / 68 / 2D / D)."""
+    """formats.py byte counts equal the spec table (584 / 528 / 132 / 68 / 288 / 384 / 2D / D)."""
     for name, d in (
         ("fp8_ds_mla", 512),
         ("mxfp8", 512),
@@ -102,6 +104,8 @@ def test_format_table_matches_spec():
         ("mxfp4", 128),
         ("bf16", 96),
         ("fp8_tensor", 96),
+        ("nvfp4_v41", 512),
+        ("nvfp4_dsv4", 512),
     ):
         fmt = get_format(name)
         db, sb = HAND_BYTES[name](d)
@@ -110,6 +114,8 @@ def test_format_table_matches_spec():
     assert get_format("mxfp8").bytes_per_token(512) == 528
     assert get_format("fp8_token").bytes_per_token(128) == 132
     assert get_format("mxfp4").bytes_per_token(128) == 68
+    assert get_format("nvfp4_v41").bytes_per_token(512) == 288
+    assert get_format("nvfp4_dsv4").bytes_per_token(512) == 384
     assert set(FORMATS) == set(HAND_BYTES)
 
 
@@ -669,7 +675,16 @@ def test_fp8_tensor_golden():
 # =============================================================================================
 # Record placement with page padding, all formats
 # =============================================================================================
-FMT_D = {"fp8_ds_mla": 512, "mxfp8": 512, "fp8_token": 128, "mxfp4": 128, "bf16": 64, "fp8_tensor": 64}
+FMT_D = {
+    "fp8_ds_mla": 512,
+    "mxfp8": 512,
+    "fp8_token": 128,
+    "mxfp4": 128,
+    "bf16": 64,
+    "fp8_tensor": 64,
+    "nvfp4_v41": 512,
+    "nvfp4_dsv4": 512,
+}
 
 
 @pytest.mark.parametrize("name", sorted(FMT_D))

@@ -28,6 +28,8 @@ FMT_DR = {
     "mxfp4": (128, 64),
     "bf16": (128, 64),
     "fp8_tensor": (64, 32),
+    "nvfp4_v41": (512, 64),
+    "nvfp4_dsv4": (512, 64),
 }
 ALL_FORMATS = sorted(FMT_DR)
 
