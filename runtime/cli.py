@@ -32,6 +32,12 @@ def cmd_list(args) -> int:
         for v in vs:
             print(f"  {v.name}")
         if args.why:
+            from .formats import NUMERICS_HELP, numerics_rows
+
+            print("\nNumerics choices of the reference and codecs (not variant axes):\n")
+            print(_table(numerics_rows()))
+            for choice, text in NUMERICS_HELP.items():
+                print(f"  {type(choice).__name__}.{choice.name} ({choice.value}): {text}")
             print("\nnot generated:")
             for v, why in dropped_combinations():
                 print(f"  {v.name}: {why}")

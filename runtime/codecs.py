@@ -11,18 +11,32 @@ from __future__ import annotations
 import torch
 
 from . import numerics as nx
-from .formats import CacheFormat, ElementCode, ScaleCode
+from .formats import CacheFormat, ElementCode, Fp4Zero, Numerics, ScaleCode, ScaleFloor
 
 
 # ---- quantization blocks ------------------------------------------------------------------
-def block_exponent(fmt: CacheFormat, amax: torch.Tensor) -> torch.Tensor:
-    """e = ceil(log2(max(amax, floor) / fp_max)) per block (int32), by the format's rule."""
-    amax = torch.clamp_min(amax, fmt.amax_floor)
+def _f32_const(value: float, like: torch.Tensor) -> torch.Tensor:
+    """fl32(value) as a device tensor: torch.full needs no host copy (CUDA-graph capturable)."""
+    return torch.full((), value, dtype=torch.float32, device=like.device)
+
+
+def _scale_quotient(fmt: CacheFormat, amax: torch.Tensor) -> torch.Tensor:
+    """amax / fp_max as the format computes it: an IEEE division, or a multiply by fl(1 / fp_max)."""
     if fmt.divide_by_fp_max:
-        r = amax / fmt.fp_max  # IEEE float32 division
+        return amax / fmt.fp_max
+    return amax * _f32_const(1.0 / fmt.fp_max, amax)
+
+
+def block_exponent(
+    fmt: CacheFormat, amax: torch.Tensor, scale_floor: ScaleFloor | None = None
+) -> torch.Tensor:
+    """The UE8M0 exponent per block (int32), exact from the float32 bits of the quotient:
+    ScaleFloor.AMAX (and formats without the choice): e = ceil(log2(max(amax, floor) / fp_max));
+    ScaleFloor.SCALE: e = ceil(log2(max(amax / fp_max, floor)))."""
+    if scale_floor is ScaleFloor.SCALE:
+        r = torch.clamp_min(_scale_quotient(fmt, amax), fmt.amax_floor)
     else:
-        # fl32(1 / fp_max) as a device tensor: torch.full needs no host copy (CUDA-graph capturable)
-        r = amax * torch.full((), 1.0 / fmt.fp_max, dtype=torch.float32, device=amax.device)
+        r = _scale_quotient(fmt, torch.clamp_min(amax, fmt.amax_floor))
     e = nx.ceil_log2_exponent(r)
     if fmt.exponent_clamp is not None:
         e = e.clamp(*fmt.exponent_clamp)
@@ -39,13 +53,45 @@ def ue8m0_byte(e: torch.Tensor) -> torch.Tensor:
     return (e + 127).clamp(0, 255).to(torch.uint8)
 
 
-def _quantize_blocks(fmt: CacheFormat, x: torch.Tensor):
+def _quantize_blocks(fmt: CacheFormat, x: torch.Tensor, scale_floor: ScaleFloor | None = None):
     """x [M, n] float32 -> (element values scaled to the element range [M, n], exponents [M, nb])."""
     m, n = x.shape
     blocks = x.reshape(m, n // fmt.quant_block, fmt.quant_block)
-    e = block_exponent(fmt, nx.nan_ignoring_amax(blocks, dim=-1))
+    e = block_exponent(fmt, nx.nan_ignoring_amax(blocks, dim=-1), scale_floor)
     y = blocks * scale_multiplier(e).unsqueeze(-1)
     return y.reshape(m, n), e
+
+
+def e4m3_group_scales(fmt: CacheFormat, amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4 scale bytes per group: e4m3_rne_satfinite of amax / 6 (the format's quotient), clamped
+    first where the format clamps. NaN never reaches it: amax ignores NaN."""
+    r = _scale_quotient(fmt, amax)
+    if fmt.scale_clamp is not None:
+        r = r.clamp(*fmt.scale_clamp)
+    return nx.e4m3_bytes(r)
+
+
+def _quantize_e4m3_groups(fmt: CacheFormat, x: torch.Tensor):
+    """x [M, n] float32 -> (values in E2M1 units [M, n], scale bytes [M, n / 16])."""
+    m, n = x.shape
+    groups = x.reshape(m, n // fmt.quant_block, fmt.quant_block)
+    sbytes = e4m3_group_scales(fmt, nx.nan_ignoring_amax(groups, dim=-1))
+    s = nx.e4m3_values(sbytes).unsqueeze(-1)
+    if fmt.divide_by_scale:
+        y = groups / s  # IEEE division: an exact tie x = t * s stays a tie
+    else:
+        # a multiply by fl(1/s), 0 when s rounded to 0 (every code then encodes a zero)
+        inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
+        y = groups * inv
+    return y.reshape(m, n), sbytes
+
+
+def e2m1_codes(y: torch.Tensor, fp4_zero: Fp4Zero | None) -> torch.Tensor:
+    """E2M1 codes of values in element units, with the sign of zero results by the choice."""
+    codes = nx.e2m1_codes(y)
+    if fp4_zero is Fp4Zero.POSITIVE:
+        codes = torch.where(codes == 0x8, torch.zeros_like(codes), codes)
+    return codes
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -60,10 +106,15 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 def encode_tokens(
-    fmt: CacheFormat, x: torch.Tensor, kv_scale: torch.Tensor | None = None
+    fmt: CacheFormat,
+    x: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+    numerics: Numerics | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rounded token values [M, D] float32 -> (data record bytes [M, data_bytes],
-    scale record bytes [M, scale_bytes]) as uint8."""
+    """Token values [M, D] float32 (as the cache quantizes them) -> (data record bytes
+    [M, data_bytes], scale record bytes [M, scale_bytes]) as uint8. `numerics`: parity choices,
+    None fields (or None) take the format's defaults."""
+    num = fmt.resolve_numerics(numerics)
     m, d = x.shape
     nq, tail = fmt.dims(d)
     xq = x[:, :nq]
@@ -76,18 +127,21 @@ def encode_tokens(
             raise ValueError(f"format {fmt.name} needs kv_scale (a float32 scale tensor)")
         y = xq / kv_scale.to(torch.float32).reshape(())
         parts.append(nx.e4m3_bytes(y))
+    elif fmt.scale is ScaleCode.E4M3:
+        y, scale = _quantize_e4m3_groups(fmt, xq)
+        parts.append(pack_e2m1(e2m1_codes(y, num.fp4_zero)))
     else:
-        y, e = _quantize_blocks(fmt, xq)
+        y, e = _quantize_blocks(fmt, xq, num.scale_floor)
         if fmt.element is ElementCode.E4M3:
             parts.append(nx.e4m3_bytes(y))
         else:
-            parts.append(pack_e2m1(nx.e2m1_codes(y)))
+            parts.append(pack_e2m1(e2m1_codes(y, num.fp4_zero)))
         if fmt.scale is ScaleCode.UE8M0:
             scale = ue8m0_byte(e)
-            if fmt.scale_pad_bytes:
-                scale = torch.cat((scale, scale.new_zeros((m, fmt.scale_pad_bytes))), dim=1)
         else:  # F32_POW2
             scale = nx.pow2_f32_bytes(e).reshape(m, 4 * e.shape[1])
+    if fmt.scale_pad_bytes:
+        scale = torch.cat((scale, scale.new_zeros((m, fmt.scale_pad_bytes))), dim=1)
     if tail:
         parts.append(x[:, nq:].to(torch.bfloat16).view(torch.uint8).reshape(m, 2 * tail))
     data = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -122,6 +176,8 @@ def decode_tokens(
         nb = fmt.num_scales(head_dim)
         if fmt.scale is ScaleCode.UE8M0:
             scales = nx.ue8m0_values(scale[:, :nb])
+        elif fmt.scale is ScaleCode.E4M3:
+            scales = nx.e4m3_values(scale[:, :nb].contiguous())
         else:
             scales = scale[:, : 4 * nb].contiguous().view(torch.float32)
         vals = (elems.reshape(m, nb, fmt.quant_block) * scales.unsqueeze(-1)).reshape(m, nq)

@@ -24,8 +24,57 @@ class ScaleCode(enum.Enum):
 
     NONE = "none"  # unquantized
     UE8M0 = "ue8m0"  # one byte per block, value 2^(byte - 127)
+    E4M3 = "e4m3"  # one float8_e4m3fn byte per group, value float(e4m3) (NVFP4; no global scale)
     F32_POW2 = "f32_pow2"  # one float32 per block holding 2^e
     TENSOR_F32 = "tensor_f32"  # no per-token scale: one float32 scale tensor argument
+
+
+# ---- numerics: each ecosystem's rounding conventions as named choices ---------------------------
+class ScaleFloor(enum.Enum):
+    """Where the 1e-4 floor of a UE8M0 exponent applies. The two agree when amax >= 448e-4."""
+
+    AMAX = "amax"  # e = ceil(log2(max(amax, 1e-4) / 448)): vLLM's writers; a zero block gets byte 105
+    SCALE = "scale"  # e = ceil(log2(max(amax / 448, 1e-4))): FlashMLA tests/quant.py, SGLang; byte >= 114
+
+
+class Fp4Zero(enum.Enum):
+    """The sign of an E2M1 code whose value rounds to zero."""
+
+    POSITIVE = "positive"  # always code 0x0 (SGLang's V4.1 writer as the spec describes it)
+    SIGNED = (
+        "signed"  # the sign of the input: 0x8 for a negative value (FlashMLA's reference, the hardware cvt)
+    )
+
+
+class RotatedRow(enum.Enum):
+    """Which values of the RoPE'd KV row the cache quantizes."""
+
+    IO_ROUNDED = "io_rounded"  # the row rounded to the I/O dtype first (the CUDA writers)
+    FP32 = "fp32"  # the float32 row as RoPE left it (vLLM's Triton compressed writer)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """Parity choices of the KV path. A field left None means "the format's default"; a format whose
+    default for a field is None has no such choice (see `CacheFormat.resolve_numerics`)."""
+
+    scale_floor: ScaleFloor | None = None
+    fp4_zero: Fp4Zero | None = None
+    rotated_row: RotatedRow | None = None
+
+    def __str__(self) -> str:
+        parts = [f"{k}={getattr(self, k).value}" for k in self.__dataclass_fields__ if getattr(self, k)]
+        return ", ".join(parts) or "format defaults"
+
+
+NUMERICS_HELP = {
+    ScaleFloor.AMAX: "floor amax at 1e-4, then e = ceil(log2(amax / 448)) (vLLM)",
+    ScaleFloor.SCALE: "e = ceil(log2(max(amax / 448, 1e-4))) (FlashMLA tests/quant.py, SGLang, FlashInfer)",
+    Fp4Zero.POSITIVE: "a value that rounds to zero is stored as +0 (code 0x0)",
+    Fp4Zero.SIGNED: "a negative value that rounds to zero keeps its sign (code 0x8)",
+    RotatedRow.IO_ROUNDED: "quantize the RoPE'd row after rounding it to the I/O dtype",
+    RotatedRow.FP32: "quantize the float32 RoPE'd row (vLLM's Triton compressed writer)",
+}
 
 
 @dataclass(frozen=True)
@@ -43,8 +92,15 @@ class CacheFormat:
     fp_max: float  # largest finite magnitude of the element code (448 for e4m3, 6 for e2m1)
     scale_pad_bytes: int  # trailing pad bytes of a scale record, written as 0
     exponent_clamp: tuple[int, int] | None  # clamp of e itself (mxfp4) before the byte is made
-    divide_by_fp_max: bool  # True: e = ceil(log2(amax / fp_max)); False: amax * fl(1 / fp_max)
+    divide_by_fp_max: bool  # True: the scale quotient is amax / fp_max; False: amax * fl(1 / fp_max)
     summary: str
+    nan_policy: str  # what a NaN or Inf input becomes (stated, and pinned by golden vectors)
+    numerics: Numerics  # the default parity choices; None fields are choices the format does not have
+    # E4M3-scaled (NVFP4) groups only: the clamp of the scale quotient before its e4m3 rounding (None:
+    # none, the conversion's saturation only) and whether codes are x / s (IEEE division) or x * fl(1/s).
+    scale_clamp: tuple[float, float] | None = None
+    divide_by_scale: bool = True
+    has_kernel_template: bool = True  # False: reference and codecs only, no generated kernel yet
 
     # ---- per-token byte layout ------------------------------------------------------------
     def dims(self, head_dim: int) -> tuple[int, int]:
@@ -63,6 +119,28 @@ class CacheFormat:
             return q // 2 + 2 * tail
         return 2 * q + 2 * tail
 
+    def resolve_numerics(self, numerics: Numerics | None) -> Numerics:
+        """The choices in effect: the format's default for every field left None. A ValueError for a
+        choice the format does not have (e.g. a UE8M0 floor on an NVFP4 format)."""
+        if numerics is None:
+            return self.numerics
+        out = {}
+        for field in Numerics.__dataclass_fields__:
+            want, default = getattr(numerics, field), getattr(self.numerics, field)
+            if want is not None and default is None:
+                raise ValueError(f"cache format {self.name} has no {field} choice (asked for {want.value})")
+            out[field] = default if want is None else want
+        return Numerics(**out)
+
+    def numerics_choices(self) -> dict[str, list[enum.Enum]]:
+        """Per field the format has, its values, default first."""
+        out = {}
+        for field in Numerics.__dataclass_fields__:
+            default = getattr(self.numerics, field)
+            if default is not None:
+                out[field] = [default] + [v for v in type(default) if v is not default]
+        return out
+
     def num_scales(self, head_dim: int) -> int:
         if self.scale in (ScaleCode.NONE, ScaleCode.TENSOR_F32):
             return 0
@@ -70,7 +148,7 @@ class CacheFormat:
 
     def scale_bytes(self, head_dim: int) -> int:
         """Bytes of one token's scale record in the footer (pad included)."""
-        if self.scale is ScaleCode.UE8M0:
+        if self.scale in (ScaleCode.UE8M0, ScaleCode.E4M3):
             return self.num_scales(head_dim) + self.scale_pad_bytes
         if self.scale is ScaleCode.F32_POW2:
             return 4 * self.num_scales(head_dim)
@@ -99,6 +177,8 @@ class CacheFormat:
         return self.scale is ScaleCode.TENSOR_F32
 
 
+E4_BLOCK_NAN = "amax ignores NaN; NaN -> 0x7F; a block holding +-Inf gets byte 254, stores Inf as +-448 and its finite values as +-0"
+
 FORMATS: dict[str, CacheFormat] = {
     f.name: f
     for f in (
@@ -116,6 +196,8 @@ FORMATS: dict[str, CacheFormat] = {
             exponent_clamp=None,
             divide_by_fp_max=True,
             summary="DeepSeek-V4 sliding-window/compressed cache: 448 e4m3 NoPE + 64 bf16 rope, 7 UE8M0 + 1 pad",
+            nan_policy=E4_BLOCK_NAN + "; the bf16 tail keeps NaN and Inf (NaN payload not pinned)",
+            numerics=Numerics(ScaleFloor.AMAX, None, RotatedRow.IO_ROUNDED),
         ),
         CacheFormat(
             name="mxfp8",
@@ -131,6 +213,8 @@ FORMATS: dict[str, CacheFormat] = {
             exponent_clamp=None,
             divide_by_fp_max=True,
             summary="DeepSeek-V4.1 sliding-window cache: 512 e4m3 (rope quantized too), 16 UE8M0",
+            nan_policy=E4_BLOCK_NAN,
+            numerics=Numerics(ScaleFloor.AMAX, None, RotatedRow.IO_ROUNDED),
         ),
         CacheFormat(
             name="fp8_token",
@@ -146,6 +230,8 @@ FORMATS: dict[str, CacheFormat] = {
             exponent_clamp=None,
             divide_by_fp_max=False,
             summary="DeepSeek-V4 indexer keys: 128 e4m3, one float32 scale 2^e per token",
+            nan_policy="amax ignores NaN; NaN -> 0x7F; a token holding +-Inf gets scale 2^127 and stores Inf as +-448",
+            numerics=Numerics(None, None, RotatedRow.IO_ROUNDED),
         ),
         CacheFormat(
             name="mxfp4",
@@ -161,6 +247,8 @@ FORMATS: dict[str, CacheFormat] = {
             exponent_clamp=(-127, 127),
             divide_by_fp_max=True,
             summary="DeepSeek-V4 indexer keys, FP4: 64 bytes packed e2m1, 4 UE8M0",
+            nan_policy="amax ignores NaN; NaN (either sign) -> code 0x7 (+6); a block holding +-Inf gets byte 254 and stores Inf as +-6",
+            numerics=Numerics(None, Fp4Zero.SIGNED, RotatedRow.IO_ROUNDED),
         ),
         CacheFormat(
             name="bf16",
@@ -176,6 +264,8 @@ FORMATS: dict[str, CacheFormat] = {
             exponent_clamp=None,
             divide_by_fp_max=True,
             summary="unquantized full cache: D bf16 per token",
+            nan_policy="NaN and Inf are stored as bf16 NaN and Inf (NaN payload not pinned)",
+            numerics=Numerics(None, None, RotatedRow.IO_ROUNDED),
         ),
         CacheFormat(
             name="fp8_tensor",
@@ -191,6 +281,57 @@ FORMATS: dict[str, CacheFormat] = {
             exponent_clamp=None,
             divide_by_fp_max=True,
             summary="per-tensor-scale FP8 full cache: e4m3(clamp(x / scale)) per value",
+            nan_policy="NaN -> 0x7F; +-Inf saturates to +-448",
+            numerics=Numerics(None, None, RotatedRow.IO_ROUNDED),
+        ),
+        CacheFormat(
+            # DeepSeek-V4.1 compressed cache (vLLM's `nvfp4_ds_mla`). Per 16-wide group of the whole
+            # row (rope dims included): s = e4m3(clamp(amax * fl(1/6), 2^-9, 448)), codes
+            # e2m1(x / s) with an IEEE division; a zero group gets scale 0x01 (2^-9) from the clamp.
+            name="nvfp4_v41",
+            head_dim=512,
+            rope_dim=64,
+            element=ElementCode.E2M1,
+            scale=ScaleCode.E4M3,
+            quant_block=16,
+            rope_tail_bf16=False,
+            amax_floor=0.0,
+            fp_max=6.0,
+            scale_pad_bytes=0,
+            exponent_clamp=None,
+            divide_by_fp_max=False,
+            summary="DeepSeek-V4.1 compressed cache: 512 e2m1 (rope quantized too), 32 E4M3 group scales",
+            nan_policy="amax ignores NaN; NaN -> code 0x7 (+6); a group holding +-Inf gets scale 448 (0x7E) and stores Inf as +-6",
+            numerics=Numerics(None, Fp4Zero.POSITIVE, RotatedRow.IO_ROUNDED),
+            scale_clamp=(2.0**-9, 448.0),
+            divide_by_scale=True,
+            has_kernel_template=False,
+        ),
+        CacheFormat(
+            # DeepSeek-V4 NVFP4 record of FlashInfer's SM120 sparse MLA. Its writer
+            # (quantize_fp32_group16_to_nvfp4_regs in flashinfer-ai/flashinfer
+            # include/flashinfer/attention/sparse_mla_sm120/common/nvfp4_quantization.cuh, commit
+            # 3fe65b06) takes s = e4m3_satfinite(amax / 6) with no lower clamp, codes
+            # e2m1(x * fl(1/s)) and 0 for every code when s rounds to 0 (scale byte 0x00).
+            name="nvfp4_dsv4",
+            head_dim=512,
+            rope_dim=64,
+            element=ElementCode.E2M1,
+            scale=ScaleCode.E4M3,
+            quant_block=16,
+            rope_tail_bf16=True,
+            amax_floor=0.0,
+            fp_max=6.0,
+            scale_pad_bytes=4,
+            exponent_clamp=None,
+            divide_by_fp_max=True,
+            summary="DeepSeek-V4 NVFP4 (FlashInfer SM120): 448 e2m1 NoPE + 64 bf16 rope, 28 E4M3 scales + 4 zero",
+            nan_policy="amax ignores NaN; NaN -> code 0x7 (+6); a group holding +-Inf gets scale 448 (0x7E) and stores Inf as +-6; the bf16 tail keeps NaN and Inf",
+            # SIGNED: the hardware cvt.rn.satfinite.e2m1x2.f32 that FlashInfer's writer uses keeps the sign
+            numerics=Numerics(None, Fp4Zero.SIGNED, RotatedRow.IO_ROUNDED),
+            scale_clamp=None,
+            divide_by_scale=False,
+            has_kernel_template=False,
         ),
     )
 }
@@ -220,10 +361,10 @@ def layout_rows(head_dim_for_any: int = 512) -> list[dict]:
         else:
             data = f"+0..+{f.dims(d)[0] * (1 if f.element is ElementCode.E4M3 else 2) - 1}: {q} x {f.element.value}"
         if tail:
-            start = q
+            start = f.data_bytes(d) - 2 * tail  # the tail follows the quantized bytes
             data += f"; +{start}..+{start + 2 * tail - 1}: {tail} x bf16 rope"
-        if f.scale is ScaleCode.UE8M0:
-            scale = f"{f.num_scales(d)} x ue8m0 (1 per {f.quant_block})" + (
+        if f.scale in (ScaleCode.UE8M0, ScaleCode.E4M3):
+            scale = f"{f.num_scales(d)} x {f.scale.value} (1 per {f.quant_block})" + (
                 f" + {f.scale_pad_bytes} pad" if f.scale_pad_bytes else ""
             )
         elif f.scale is ScaleCode.F32_POW2:
@@ -239,6 +380,23 @@ def layout_rows(head_dim_for_any: int = 512) -> list[dict]:
                 "bytes/token": f"{f.bytes_per_token(d)} = {f.data_bytes(d)} + {f.scale_bytes(d)}",
                 "data record": data,
                 "scale record (footer)": scale,
+            }
+        )
+    return rows
+
+
+def numerics_rows() -> list[dict]:
+    """Each format's parity choices (default first) and NaN policy as table rows (used by `list --why`)."""
+    rows = []
+    for f in FORMATS.values():
+        choices = f.numerics_choices()
+        rows.append(
+            {
+                "format": f.name,
+                "numerics (default first; pass attn_prologue.formats.Numerics to the reference)": "; ".join(
+                    f"{field}: {' | '.join(v.value for v in values)}" for field, values in choices.items()
+                ),
+                "NaN / Inf": f.nan_policy,
             }
         )
     return rows

@@ -17,7 +17,7 @@ import torch
 
 from . import codecs
 from . import numerics as nx
-from .formats import CacheFormat, get_format
+from .formats import CacheFormat, Numerics, RotatedRow, get_format
 
 VEC = 8  # elements per 128-bit access of a 16-bit dtype: the kernels' lane mapping unit
 WARP = 32
@@ -131,16 +131,20 @@ def kv_values(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     order: str = "kernel",
+    rotated_row: RotatedRow = RotatedRow.IO_ROUNDED,
 ) -> torch.Tensor:
-    """The values a cache stores for kv rows [M, D]: (optional weighted RMSNorm, rounded through
-    the I/O dtype), RoPE, rounded through the I/O dtype. float32 [M, D]."""
+    """The values a cache quantizes for kv rows [M, D]: (optional weighted RMSNorm, rounded through
+    the I/O dtype), RoPE, rounded through the I/O dtype unless `rotated_row` is FP32. float32 [M, D]."""
     _check_order(order)
     rope_dim = cos_sin_cache.shape[1]
     x = kv.to(torch.float32)
     if norm_weight is not None:
         x = nx.round_through((x * rms_inverse(x, eps, order)) * norm_weight.to(torch.float32), kv.dtype)
     cos, sin = _cos_sin(cos_sin_cache, positions, rope_dim)
-    return nx.round_through(rope_tail(x, cos, sin, rope_dim, order), kv.dtype)
+    rotated = rope_tail(x, cos, sin, rope_dim, order)
+    if rotated_row is RotatedRow.FP32:
+        return rotated
+    return nx.round_through(rotated, kv.dtype)
 
 
 def insert_kv(
@@ -150,8 +154,9 @@ def insert_kv(
     slot_mapping: torch.Tensor,
     block_size: int,
     kv_scale: torch.Tensor | None = None,
+    numerics: Numerics | None = None,
 ) -> None:
-    data, scale = codecs.encode_tokens(fmt, values, kv_scale)
+    data, scale = codecs.encode_tokens(fmt, values, kv_scale, numerics)
     codecs.write_records(k_cache, fmt, values.shape[1], block_size, slot_mapping, data, scale)
 
 
@@ -173,16 +178,19 @@ def qnorm_rope_kv_insert(
     apply_q_norm: bool = True,
     write_pad_heads: bool = True,
     order: str = "kernel",
+    numerics: Numerics | None = None,
 ) -> None:
     """The caller-owned op: q_out[:N, :H] and k_cache are written, nothing is allocated for the
-    caller. Q for all N rows; KV for rows t < M = len(slot_mapping) with slot >= 0."""
+    caller. Q for all N rows; KV for rows t < M = len(slot_mapping) with slot >= 0. `numerics`:
+    the KV path's parity choices (None: the format's defaults, see formats.Numerics)."""
     fmt = get_format(cache_format)
+    num = fmt.resolve_numerics(numerics)
     n = q_in.shape[0]
     m = slot_mapping.shape[0]
     q = q_values(q_in, positions[:n], cos_sin_cache, eps, apply_q_norm=apply_q_norm, order=order)
-    vals = kv_values(kv[:m], positions[:m], cos_sin_cache, order=order)
+    vals = kv_values(kv[:m], positions[:m], cos_sin_cache, order=order, rotated_row=num.rotated_row)
     store_q(q_out, q, q_scale=q_scale, write_pad_heads=write_pad_heads)
-    insert_kv(k_cache, fmt, vals, slot_mapping, block_size, kv_scale)
+    insert_kv(k_cache, fmt, vals, slot_mapping, block_size, kv_scale, num)
 
 
 def kv_rope_insert(
@@ -198,9 +206,19 @@ def kv_rope_insert(
     eps: float = 1e-6,
     kv_scale: torch.Tensor | None = None,
     order: str = "kernel",
+    numerics: Numerics | None = None,
 ) -> None:
     """KV-only relatives: RoPE (after an optional weighted RMSNorm) and insert."""
     fmt = get_format(cache_format)
+    num = fmt.resolve_numerics(numerics)
     m = slot_mapping.shape[0]
-    vals = kv_values(kv[:m], positions[:m], cos_sin_cache, norm_weight=norm_weight, eps=eps, order=order)
-    insert_kv(k_cache, fmt, vals, slot_mapping, block_size, kv_scale)
+    vals = kv_values(
+        kv[:m],
+        positions[:m],
+        cos_sin_cache,
+        norm_weight=norm_weight,
+        eps=eps,
+        order=order,
+        rotated_row=num.rotated_row,
+    )
+    insert_kv(k_cache, fmt, vals, slot_mapping, block_size, kv_scale, num)

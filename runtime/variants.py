@@ -202,6 +202,8 @@ def unsupported_reason(v: Variant) -> str | None:
     """Why a combination is not generated (None: supported). One predicate for the whole space."""
     f = v.format
     d, r = v.head_dim, v.rope_dim
+    if not f.has_kernel_template:
+        return f"{f.name}: no kernel template yet (reference and codecs only)"
     if not (d == 128 or d % 256 == 0):
         return f"head_dim={d}: the lane mapping needs D == 128 or D % 256 == 0"
     if r % 8 != 0 or not 0 < r <= d:

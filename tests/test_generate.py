@@ -439,7 +439,22 @@ def test_supported_space_has_exactly_the_expected_axes():
         portable = {shape(v) for v in space if v.arch is arch and v.conversions is Conversions.PORTABLE}
         assert portable == {s for s in first if s[4] in ARCH_CONVERSION_FORMATS}
     assert {v.cache_format for v in space if v.uses_arch_conversions} == ARCH_CONVERSION_FORMATS
-    assert {v.cache_format for v in space} == set(FORMATS)
+    assert {v.cache_format for v in space} == KERNEL_FORMATS
+
+
+KERNEL_FORMATS = {"fp8_ds_mla", "mxfp8", "fp8_token", "mxfp4", "bf16", "fp8_tensor"}
+
+
+@pytest.mark.parametrize("name", ["nvfp4_v41", "nvfp4_dsv4"])
+def test_reference_only_formats_are_not_generated(name):
+    """Formats with codecs and a reference but no kernel template: every combination is refused
+    with that reason, and none is in the registry; the rest of FORMATS is generated."""
+    assert set(FORMATS) - KERNEL_FORMATS == {"nvfp4_v41", "nvfp4_dsv4"}
+    combos = [v for v in variants.all_combinations() if v.cache_format == name]
+    assert combos
+    for v in combos:
+        assert unsupported_reason(v) == f"{name}: no kernel template yet (reference and codecs only)"
+        assert v.name not in generated()
 
 
 def test_manifest_registry_and_modules_agree():

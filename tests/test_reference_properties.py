@@ -14,7 +14,7 @@ import torch
 from attn_prologue import codecs
 from attn_prologue import numerics as nx
 from attn_prologue import reference as ref
-from attn_prologue.formats import get_format
+from attn_prologue.formats import ScaleFloor, get_format
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +28,8 @@ FMT_DR = {
     "mxfp4": (128, 64),
     "bf16": (128, 64),
     "fp8_tensor": (64, 32),
+    "nvfp4_v41": (512, 64),
+    "nvfp4_dsv4": (512, 64),
 }
 ALL_FORMATS = sorted(FMT_DR)
 
@@ -977,3 +979,179 @@ def test_kernel_order_rms_inverse_is_ieee():
     want = np.float32(1.0) / np.sqrt(ms.astype(np.float32))
     got = ref.rms_inverse(x, eps, "kernel")[:, 0].numpy()
     assert want.dtype == np.float32 and (got == want).all(), int((got != want).sum())
+
+
+# =============================================================================================
+# NVFP4 groups: exhaustive over the E4M3 scales and the E2M1 ties, against numpy + value tables
+# =============================================================================================
+import numpy as np  # noqa: E402  (a declared dependency: the IEEE float32 oracle)
+
+E4M3_SCALES = [(v, b) for v, b in E4M3_POS if b >= 0x01]  # every positive finite e4m3 value
+E2M1_TIES = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+
+
+def _nvfp4_scale_oracle(name: str, amax: float) -> int:
+    """The scale byte by the rules of formats.py, with numpy's IEEE float32 arithmetic and the
+    e4m3 table: nvfp4_v41 e4m3(clamp(amax * fl(1/6), 2^-9, 448)), nvfp4_dsv4 e4m3(amax / 6)."""
+    a = np.float32(amax)
+    if name == "nvfp4_v41":
+        q = float(np.clip(a * (np.float32(1) / np.float32(6)), np.float32(2.0**-9), np.float32(448)))
+    else:
+        q = float(a / np.float32(6))
+    return nearest_code(q, E4M3_POS, 0x80)
+
+
+def _nvfp4_code_oracle(name: str, x: float, s: float) -> int:
+    """e2m1 code of x in units of s: x / s (nvfp4_v41) or x * fl(1/s) (nvfp4_dsv4, 0 when s = 0),
+    ties to even, saturating; the sign of a zero result by the format's default Fp4Zero."""
+    x32, s32 = np.float32(x), np.float32(s)
+    if name == "nvfp4_v41":
+        y = float(x32 / s32)
+    else:
+        y = float(x32 * (np.float32(1) / s32 if s32 != 0 else np.float32(0)))
+    code = nearest_code(y, E2M1_POS, 0x8)
+    signed = get_format(name).numerics.fp4_zero.value == "signed"
+    return code if signed or code != 0x8 else 0
+
+
+def _encode_groups(name: str, groups: list[list[float]]):
+    """Pack 16-wide groups into 512-wide rows of the format's quantized dims (the rest zero);
+    return (codes [G, 16], scale bytes [G]) of those groups."""
+    fmt = get_format(name)
+    per_row = fmt.num_scales(512)
+    rows = -(-len(groups) // per_row)
+    flat = torch.zeros(rows * per_row * 16, dtype=torch.float32)
+    flat[: len(groups) * 16] = torch.tensor(groups, dtype=torch.float32).reshape(-1)
+    tail = torch.zeros(rows, 512 - per_row * 16, dtype=torch.float32)
+    x = torch.cat((flat.reshape(rows, per_row * 16), tail), dim=1)
+    data, scale = codecs.encode_tokens(fmt, x)
+    codes = codecs.unpack_e2m1(data[:, : per_row * 8].contiguous()).reshape(-1, 16)[: len(groups)]
+    return codes, scale[:, :per_row].reshape(-1)[: len(groups)]
+
+
+@pytest.mark.parametrize("name", ["nvfp4_v41", "nvfp4_dsv4"])
+def test_nvfp4_scale_exhaustive_over_e4m3(name):
+    """For every positive finite e4m3 scale value s and every midpoint m between neighbouring
+    scales (and the 0 / 2^-9 midpoint): amax = 6 s, 6 m and their float32 neighbours give the
+    oracle's scale byte. 6 s and 6 m are exact float32, so the midpoints test the scale's own
+    ties (to the even mantissa) and the neighbours the quotient's rounding."""
+    values = [0.0] + [v for v, _ in E4M3_SCALES]
+    amaxes = []
+    for lo, hi in zip(values, values[1:]):
+        for q in (hi, (lo + hi) / 2):
+            c = np.float32(6 * q)
+            amaxes += [
+                float(np.nextafter(c, np.float32(0))),
+                float(c),
+                float(np.nextafter(c, np.float32(1e9))),
+            ]
+    amaxes += [6 * 448.0 * 2, 1e30]
+    groups = [[a] + [0.0] * 15 for a in amaxes]
+    _, scales = _encode_groups(name, groups)
+    want = [_nvfp4_scale_oracle(name, a) for a in amaxes]
+    assert scales.tolist() == want
+    assert set(want) >= {b for _, b in E4M3_SCALES}  # every scale byte is reached
+    assert (0x00 in want) == (name == "nvfp4_dsv4")  # only FlashInfer's rule has no lower clamp
+
+
+@pytest.mark.parametrize("name", ["nvfp4_v41", "nvfp4_dsv4"])
+def test_nvfp4_codes_exhaustive_over_scales_and_ties(name):
+    """Every positive finite e4m3 scale s (amax = 6 s sets it) with every E2M1 tie t * s and grid
+    value of either sign: the codes are the oracle's (the division keeps exact ties, the
+    reciprocal multiply of nvfp4_dsv4 moves some of them, see test_golden_vectors)."""
+    groups, scales = [], []
+    for s, _ in E4M3_SCALES:
+        group = [6 * s] + [t * s for t in E2M1_TIES] + [-t * s for t in E2M1_TIES] + [-6 * s]
+        groups.append(group)
+        scales.append(s)
+    for s, _ in E4M3_SCALES:  # the grid values and zeros at the same scales
+        groups.append([6 * s] + [g * s for g, _ in E2M1_POS[:7]] + [-g * s for g, _ in E2M1_POS[:7]] + [-0.0])
+        scales.append(s)
+    codes, sbytes = _encode_groups(name, groups)
+    assert sbytes.tolist() == [b for _, b in E4M3_SCALES] * 2
+    want = [[_nvfp4_code_oracle(name, x, s) for x in g] for g, s in zip(groups, scales)]
+    assert codes.tolist() == want
+    if name == "nvfp4_dsv4":  # the reciprocal really moves ties somewhere (the test is not vacuous)
+        div = [[_nvfp4_code_oracle("nvfp4_v41", x, s) for x in g] for g, s in zip(groups, scales)]
+        assert sum(a != b for ra, rb in zip(want, div) for a, b in zip(ra, rb) if (a | b) & 7) > 10
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(token_values(512), st.sampled_from(["nvfp4_v41", "nvfp4_dsv4"]))
+def test_round_trip_nvfp4(x, name):
+    """decode(encode(x)) within the NVFP4 bound per element: half the e2m1 spacing where x / s
+    lies, in units of s (or the saturation |x| - 6 s beyond 6 s); a scale that rounded to 0
+    (nvfp4_dsv4 only: amax / 6 <= 2^-10) loses the group. The bf16 tail comes back exactly."""
+    fmt = get_format(name)
+    data, scale = codecs.encode_tokens(fmt, x)
+    dec, scales = codecs.decode_tokens(fmt, data, scale, 512)
+    nq = fmt.dims(512)[0]
+    xs = x[:, :nq].double().reshape(x.shape[0], -1, 16)
+    ds = dec[:, :nq].double().reshape(x.shape[0], -1, 16)
+    s = scales.double().unsqueeze(-1)
+    amax = xs.abs().amax(-1, keepdim=True)
+    if name == "nvfp4_v41":
+        assert (s >= 2.0**-9).all() and (s <= 448).all()
+    # the scale is within e4m3 rounding (2^-4 relative) of amax / 6, or a clamp / zero bound
+    near = (s - amax / 6).abs() <= (amax / 6) * 2.0**-4 + 2.0**-10
+    assert (near | (s == 448) | (s == 2.0**-9)).all()
+    zero = s == 0
+    assert (amax[zero] <= 6 * 2.0**-10).all() and (ds * zero == 0).all()
+    y = xs.abs() / torch.where(zero, torch.ones_like(s), s)
+    half_gap = torch.where(y <= 2, 0.25, torch.where(y <= 4, 0.5, 1.0))
+    bound = torch.maximum(half_gap * s, xs.abs() - 6 * s) + 2.0**-20 * xs.abs()
+    err = (ds - xs).abs()
+    assert ((err <= bound) | zero).all(), (err - bound).max().item()
+    if fmt.rope_tail_bf16:
+        assert torch.equal(dec[:, nq:], x[:, nq:])
+
+
+@pytest.mark.parametrize("name", ["fp8_ds_mla", "mxfp8"])
+def test_block_exponent_scale_floor_exhaustive_bf16(name):
+    """ScaleFloor.SCALE: e = ceil(log2(max(amax / 448, fl(1e-4)))) for every bf16 amax >= 0, against
+    exact rationals (the float32 quotient never crosses a power of two, as for the amax floor)."""
+    fmt = get_format(name)
+    amax = _positive_bf16_amax()
+    got = codecs.block_exponent(fmt, amax, ScaleFloor.SCALE).tolist()
+    floor = Fraction(torch.tensor(fmt.amax_floor, dtype=torch.float32).item())
+    for a, e in zip(amax.tolist(), got):
+        assert e == exact_ceil_log2(max(Fraction(a) / 448, floor)), (a, e)
+    assert min(got) == -13  # byte 114
+    amax_floor = codecs.block_exponent(fmt, amax).tolist()
+    agree = [a >= 0.0448 for a in amax.tolist()]
+    assert all(g == h for g, h, ok in zip(got, amax_floor, agree) if ok)
+    assert any(g != h for g, h in zip(got, amax_floor))
+
+
+# =============================================================================================
+# any block size, page strides larger than the records: every format
+# =============================================================================================
+@pytest.mark.parametrize("name", ALL_FORMATS)
+@pytest.mark.parametrize("bs", [32, 48, 64, 128, 256])
+def test_block_sizes_and_padded_pages(name, bs):
+    """Records of tokens at the first, last and a middle offset of blocks land where the per-row
+    oracle puts them with a page stride rounded past the records (vLLM-style: the next multiple of
+    576), and decode_cache gives back what encode_tokens encoded."""
+    d, r = FMT_DR[name]
+    fmt = get_format(name)
+    used = bs * fmt.bytes_per_token(d)
+    stride = (used // 576 + 1) * 576  # > used, a multiple of 16
+    g = torch.Generator().manual_seed(bs)
+    base = torch.randint(0, 256, (3, stride), generator=g, dtype=torch.uint8)
+    cache = base[:, :used]
+    assert cache.stride(0) == stride > used
+    before = base.clone()
+    slots = [0, 2 * bs - 1, 2 * bs + bs // 2 + 1, -1]
+    kv = (torch.randn(len(slots), d, generator=g) * 3).to(torch.bfloat16)
+    positions = torch.arange(len(slots))
+    cs = make_cos_sin(8, r)
+    kv_scale = torch.tensor(0.125) if name == "fp8_tensor" else None
+    slot_t = torch.tensor(slots)
+    ref.kv_rope_insert(kv, cache, slot_t, positions, cs, bs, name, kv_scale=kv_scale)
+    vals = ref.kv_values(kv, positions, cs)
+    data, scale = codecs.encode_tokens(fmt, vals, kv_scale)
+    assert torch.equal(base, oracle_cache(before, name, d, bs, slots, data, scale))
+    live = torch.tensor(slots[:3])
+    got, _ = codecs.decode_cache(cache, fmt, d, bs, live, kv_scale)
+    want, _ = codecs.decode_tokens(fmt, data[:3], scale[:3], d, kv_scale)
+    assert torch.equal(got, want)
