@@ -91,6 +91,8 @@ def _fmt_time(s: float) -> str:
 
 
 class Progress:
+    """One line per step: on long schedules at most one a second, the first and last always."""
+
     def __init__(self, label: str, steps: int, tokens: int, enabled: bool):
         self.label, self.steps, self.tokens, self.enabled = label, steps, tokens, enabled
         self.t0 = time.perf_counter()
@@ -113,6 +115,8 @@ class Progress:
 
 
 def size_kv(opts: SimOptions, budget: Budget, needed_blocks: int, label: str) -> dict:
+    """KV-cache blocks for every layer in kv_fraction of the free memory; refuses a cache the
+    schedule's sequences do not fit in."""
     fmt = get_format(CACHE_FORMAT)
     block_bytes = fmt.block_bytes(opts.head_dim, opts.block_size)
     free = budget.free_for_kv()
