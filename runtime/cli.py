@@ -103,14 +103,11 @@ def cmd_compile_entries(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    import datetime
-    import platform
+    from .lab import bench, targets
+    from .lab.provenance import provenance
+    from .lab.timing import l2_bytes
 
-    import torch
-
-    from .jit import compiler
-    from .lab import bench
-
+    origin = provenance()
     shapes = bench.default_shapes(args.shapes)
     if args.max_tokens:
         shapes = [s for s in shapes if s.n <= args.max_tokens]
@@ -122,11 +119,7 @@ def cmd_bench(args) -> int:
         r = bench.run_shape(shape, baselines=not args.no_baselines, replays=args.replays)
         results.append(r)
         if args.json:  # written after every shape: a run cut short keeps what it measured
-            bench.save(
-                results,
-                args.json,
-                {"partial": True, "command": "python -m attn_prologue bench " + " ".join(args.argv)},
-            )
+            bench.save(bench.document(results, {"partial": True}, origin), args.json)
         print(
             f"[{i + 1}/{len(shapes)}] {shape.label}: {r.op['median_us']:.2f} us, {r.gbs:.0f} GB/s, {r.copy['median_us'] / r.op['median_us']:.1%} of copy",
             flush=True,
@@ -151,35 +144,28 @@ def cmd_bench(args) -> int:
             )
     meta = {
         "checked_mode": checked,
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "dsl": compiler.dsl_versions(),
-        "command": "python -m attn_prologue bench " + " ".join(args.argv),
         "host_overhead": host,
         "host_overhead_end": host_end,
-        "l2_bytes": bench.l2_bytes(),
+        "l2_bytes": l2_bytes(),
     }
+    doc = bench.document(results, meta, origin)
     if args.json:
-        bench.save(results, args.json, meta)
+        bench.save(doc, args.json)
     if args.png:
         from .lab import plots
 
-        plots.bench_plot(results, args.png, meta)
-    rows = bench.check_targets(bench.document(results, meta))
-    print("\n" + bench.print_targets(rows))
+        plots.bench_plot(results, args.png, origin["device"]["name"])
+    print("\n" + targets.print_targets(targets.check_targets(doc)))
     return 0
 
 
 def cmd_targets(args) -> int:
     import json
 
-    from .lab import bench
+    from .lab import targets
 
-    rows = bench.check_targets(json.loads(Path(args.json).read_text()))
-    print(bench.print_targets(rows))
+    rows = targets.check_targets(json.loads(Path(args.json).read_text()))
+    print(targets.print_targets(rows))
     missed = sum(not r["met"] for r in rows)
     print(f"\ntargets: {len(rows) - missed} met, {missed} missed ({args.json})")
     return 0 if missed == 0 else 1
@@ -190,6 +176,7 @@ def cmd_tune(args) -> int:
 
     from . import dispatch, tuning
     from .lab import tune
+    from .lab.provenance import provenance
     from .launch import LaunchConfig, all_configs
     from .variants import generated, parse_name
 
@@ -219,11 +206,12 @@ def cmd_tune(args) -> int:
     print(
         f"tune: {len(names)} variants x {len(configs)} configs x {len(buckets)} buckets on {torch.cuda.get_device_name()} ({target})"
     )
+    origin = provenance()
     sweep = tune.run(
         names, buckets, configs, h=args.heads, p=args.padded_heads, jobs=args.jobs, replays=args.replays
     )
     env = tuning.current_environment()
-    new = tune.entries(sweep, names, buckets, env, args.heads, args.padded_heads)
+    new = tune.entries(sweep, names, buckets, env, args.heads, args.padded_heads, provenance=origin)
     db_path = Path(args.db) if args.db else tuning.database_path()
     db = tuning.TuningDatabase.load(db_path)
     db.merge(new)
@@ -240,22 +228,7 @@ def cmd_tune(args) -> int:
     if args.json:
         import json
 
-        rows = [
-            {"variant": v, "bucket": b, "config": k, "us": us}
-            for (v, b, k), us in sorted(sweep.timings.items())
-        ]
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "seconds": sweep.seconds,
-                    "env": env.as_dict(),
-                    "default": default.key,
-                    "timings": rows,
-                    "failures": sweep.failures,
-                },
-                indent=1,
-            )
-        )
+        Path(args.json).write_text(json.dumps(tune.document(sweep, env, default, origin), indent=1))
     if args.plot_dir:
         from .lab import plots
 
@@ -285,7 +258,6 @@ def cmd_simulate(args) -> int:
         allocating=args.allocating,
         seed=args.seed,
         json_path=args.json,
-        command="python -m attn_prologue simulate " + " ".join(args.argv[1:]),
     )
     results = simulate.run(opts)
     return 0 if results["passed"] else 1
@@ -421,7 +393,6 @@ def main(argv=None) -> int:
     s.set_defaults(fn=cmd_compile_entries)
 
     args = p.parse_args(argv)
-    args.argv = list(argv if argv is not None else sys.argv[1:])
     return args.fn(args)
 
 

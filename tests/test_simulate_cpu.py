@@ -1,5 +1,6 @@
-"""The pure parts of `simulate` (no GPU): prompt lengths, the chunked-prefill scheduler, the block
-allocator and slot mappings, needle selection and location, the memory-budget arithmetic."""
+"""The parts of `simulate` that need no GPU: the engine model (prompt lengths, the chunked-prefill
+scheduler, the block allocator and slot mappings, needle selection and location, the memory-budget
+arithmetic, the plan) and the report (verdict and table from given pass results)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from attn_prologue.cli import main as cli_main
 from attn_prologue.lab import simulate as sim
+from attn_prologue.lab.simulate import report
 
 
 def run_schedule(prompts, max_tokens, decode_steps, num_blocks=None, bs=64, seed=0):
@@ -200,3 +202,54 @@ def test_cli_parses_simulate_and_fails_cleanly_without_a_gpu(monkeypatch):
         pytest.skip("this checks the no-GPU path")
     with pytest.raises(sim.SimulationError, match="CUDA"):
         cli_main(["simulate", "--layers", "2", "--no-allocating"])
+
+
+def test_plan_is_what_the_parts_give():
+    opts = sim.SimOptions(max_num_batched_tokens=4096, seqs=4, prompt_len=3000, layers=4, decode_steps=8)
+    plan = sim.make_plan(opts)
+    prompts = sim.prompt_lengths(opts.seqs, opts.prompt_len, opts.prompt_jitter, opts.seed)
+    assert plan.prompt_lens == prompts
+    assert plan.schedule == sim.build_schedule(prompts, 4096, 8)
+    assert plan.needles == sim.select_needles(prompts, 8, 4, opts.needles, opts.seed)
+    assert plan.where == sim.locate_needles(plan.schedule, plan.needles)
+    assert plan.max_pos == sim.max_position(prompts, 8)
+    assert plan.needed_blocks == sum(sim.blocks_for(p + 8, opts.block_size) for p in prompts)
+    assert plan.total_tokens == sum(prompts) + 4 * 8
+
+
+def pass_results(needles=64, **over):
+    kv = {"num_blocks": 100, "capacity_tokens": 6400, "kv_bytes": 2**30, "free_bytes": 2**31}
+    pool = {
+        "reserved_bytes": 2**28, "kv": kv, "steps": 4, "prefill_steps": 3, "decode_steps": 1, "layer_calls": 16,
+        "tokens": 1000, "tokens_scheduled": 1000, "seconds": 0.5, "oom": None, "no_allocation_after_lock": True,
+        "allocations_after_lock": {k: 0 for k in sim.MEM_KEYS}, "unplanned_peak_bytes": 0, "recall": needles,
+        "needles": needles, "needle_parts": {"nope_e4m3": needles, "rope_bf16": needles, "scale_ue8m0": needles},
+        "q_close": needles, "q_exact": needles, "needle_pads_zero": needles, "pool_pads_zero": True,
+    }  # fmt: skip
+    pool.update(over)
+    oom = {"step": 2, "steps": 4, "layer": 1, "tokens": 4096, "requested_bytes": 2**28}
+    allocating = {"kv": kv, "outcome": "oom", "oom": oom, "headroom_bytes": 2**27, "unplanned_peak_bytes": 0}
+    return pool, allocating
+
+
+@pytest.mark.parametrize(
+    "over,passed",
+    [
+        ({}, True),
+        ({"recall": 63}, False),
+        ({"no_allocation_after_lock": False}, False),
+        ({"tokens": 999}, False),
+    ],
+)
+def test_report_gives_the_verdict_and_the_table(over, passed):
+    opts = sim.SimOptions(max_num_batched_tokens=4096, seqs=4, prompt_len=3000, layers=4, decode_steps=8)
+    origin = {"device": {"name": "NVIDIA H200", "capability": "9.0", "sm_count": 132}}
+    pool, allocating = pass_results(**over)
+    doc = report.document(opts, sim.make_plan(opts), pool, allocating, 1.5, origin)
+    assert doc["provenance"] is origin and doc["options"]["layers"] == 4
+    assert doc["passed"] is passed and doc["summary"]["passed"] is passed
+    assert doc["summary"]["allocating_oom_at"] == {"step": 2, "layer": 1, "tokens": 4096}
+    text = sim.summary(doc)
+    assert text.splitlines()[0].split() == ["device", "NVIDIA", "H200"]
+    assert "torch.cuda.OutOfMemoryError at step 2/4" in text
+    assert text.splitlines()[-1].endswith("PASS" if passed else "FAIL")

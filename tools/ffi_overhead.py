@@ -7,6 +7,7 @@ Run on a GPU machine: python tools/ffi_overhead.py
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import torch
+from attn_prologue.lab.timing import host_time_us
 from cutlass import Int32, Int64
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
@@ -70,8 +71,6 @@ def eight_ptr(
 
 
 def timed(call, n=3000):
-    from attn_prologue.lab.bench import host_time_us
-
     return host_time_us(call, n, warmup=200)
 
 

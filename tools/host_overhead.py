@@ -31,12 +31,15 @@ def main() -> None:
 
     import dataclasses
 
-    import torch
     from attn_prologue import api, dispatch, ops
     from attn_prologue.lab import bench
+    from attn_prologue.lab.provenance import provenance
+    from attn_prologue.lab.timing import host_time_us
+
+    origin = provenance()
 
     def timed(call) -> float:
-        return bench.host_time_us(call, warmup=200)
+        return host_time_us(call, warmup=200)
 
     shape = bench.Shape(n=1)
     host = bench.host_calls(shape)
@@ -86,7 +89,7 @@ def main() -> None:
             print(f"{name:55} {min(v):7.2f} us   (runs: {', '.join(f'{x:.2f}' for x in v)})")
         return {"us": {name: round(min(v), 3) for name, v in runs.items()}, "runs": runs}
 
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **measure("fresh process")}
+    out = {"provenance": origin, **measure("fresh process")}
     if a.after_bench:
         import gc
 

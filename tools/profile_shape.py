@@ -34,10 +34,14 @@ def main() -> None:
     ap.add_argument("--ncu", action="store_true", help="launch each case once inside cudaProfilerStart/Stop")
     ap.add_argument("--json")
     a = ap.parse_args()
+    from attn_prologue.lab.provenance import provenance
+
+    origin = provenance()  # before sys.argv is cut
     sys.argv = sys.argv[:1]  # a module imported below parses sys.argv at import time
 
     import torch
     from attn_prologue.lab import bench
+    from attn_prologue.lab.timing import copy_fns, graph_time_us
     from attn_prologue.launch import LaunchConfig
 
     shape = bench.Shape(
@@ -60,9 +64,9 @@ def main() -> None:
         cases["pads only: q_out[:, H:].zero_()"] = [lambda s=s: s["q_out"][:, a.h :].zero_() for s in sets]
         flat = [s["q_out"].view(-1)[: a.n * (a.p - a.h) * a.head_dim] for s in sets]
         cases["pads only: contiguous zero_()"] = [lambda f=f: f.zero_() for f in flat]
-    copy = bench.copy_fns(shape.min_bytes(), nsets, "sm")
-    memcpy = bench.copy_fns(shape.min_bytes(), nsets, "memcpy")
-    copy_kv = bench.copy_fns(kv_shape.min_bytes(), nsets, "sm")
+    copy = copy_fns(shape.min_bytes(), nsets, "sm")
+    memcpy = copy_fns(shape.min_bytes(), nsets, "memcpy")
+    copy_kv = copy_fns(kv_shape.min_bytes(), nsets, "sm")
     if a.ncu:
         for fns in [*cases.values(), copy, copy_kv]:
             fns[0]()  # compile / bind outside the profiled range
@@ -75,9 +79,15 @@ def main() -> None:
         print("profiled, in order:", list(cases) + ["copy", "copy kv bytes"])
         return
     calls = max(nsets, 20)
-    out = {"shape": shape.label, "bytes": shape.min_bytes(), "kv_bytes": kv_shape.min_bytes(), "us": {}}
+    out = {
+        "provenance": origin,
+        "shape": shape.label,
+        "bytes": shape.min_bytes(),
+        "kv_bytes": kv_shape.min_bytes(),
+        "us": {},
+    }
     for name, fns in [*cases.items(), ("copy", copy), ("memcpy", memcpy), ("copy kv bytes", copy_kv)]:
-        out["us"][name] = bench.graph_time_us(fns, replays=a.replays, calls_per_graph=calls)["median_us"]
+        out["us"][name] = graph_time_us(fns, replays=a.replays, calls_per_graph=calls)["median_us"]
     for name, us in out["us"].items():
         nbytes = kv_shape.min_bytes() if "kv" in name else shape.min_bytes()
         if name.startswith("pads only"):

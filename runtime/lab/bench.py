@@ -1,6 +1,7 @@
-"""`bench`: time the op against a device-to-device copy of its minimum bytes, torch eager and
-torch.compile of the reference, under CUDA-graph replay with cold L2 (input sets rotated so the
-working set is several times the L2), median of many replays.
+"""`bench`: the shapes, their input sets and the calls timed (the op, torch eager and torch.compile
+of the reference), one shape's measurement against the copy of its minimum bytes (timing.py: CUDA-
+graph replay with input sets rotated so the working set is several times the L2), the host overhead
+of a T=1 call, the checked-mode cost, and the result document `bench --json` writes.
 
 Bytes the op must move per token (design.md): H*D*2 (q in) + P_written*D*2 (q out) + D*2 (kv in)
 + cache bytes per token + R*4 (cos/sin row) + 16 (position and slot ids).
@@ -9,16 +10,22 @@ Bytes the op must move per token (design.md): H*D*2 (q in) + P_written*D*2 (q ou
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .. import dispatch, ops
+from .. import (
+    api,
+    dispatch,
+    ops,
+    reference,
+    scratch,
+    torch_op,  # noqa: F401  (registers torch.ops.attn_prologue, timed by host_overhead_us)
+)
 from ..formats import get_format
 from ..variants import IoDtype, Op, QOut, Request
+from .timing import copy_time_us, graph_time_us, host_time_us, l2_bytes
 
 
 @dataclass(frozen=True)
@@ -55,71 +62,6 @@ class Shape:
             written = self.h if self.zero_once else self.p
             per_token += self.h * d * 2 + written * d * (1 if self.q_fp8 else 2)
         return self.n * per_token
-
-
-def l2_bytes() -> int:
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return int(getattr(props, "L2_cache_size", 50 * 2**20))
-
-
-def graph_time_us(fns: list[Callable[[], None]], replays: int = 30, calls_per_graph: int = 20) -> dict:
-    """Capture `calls_per_graph` calls cycling through fns (one per input set) in a CUDA graph and
-    time its replays with events. Returns the median and spread per call in microseconds."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls_per_graph):
-            fns[i % len(fns)]()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls_per_graph)
-    return {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times)}
-
-
-def copy_fns(nbytes: int, sets: int, kind: str = "sm") -> list[Callable[[], None]]:
-    """Device-to-device copies moving nbytes in total (nbytes/2 read + nbytes/2 written):
-    kind "sm" is copy_kernel (128-bit loads/stores on the SMs), "memcpy" is torch's copy_."""
-    half = max(64, nbytes // 2 // 64 * 64)
-    bufs = [
-        (
-            torch.empty(half // 4, dtype=torch.int32, device="cuda"),
-            torch.empty(half // 4, dtype=torch.int32, device="cuda"),
-        )
-        for _ in range(sets)
-    ]
-    for s, _ in bufs:
-        s.random_(-(2**31), 2**31 - 1)
-    if kind == "memcpy":
-        return [lambda s=s, d=d: d.copy_(s) for s, d in bufs]
-    from . import copy_kernel
-
-    fn = copy_kernel.compiled(dispatch.default_runtime().device().target)
-    return [lambda s=s, d=d: fn(s, d) for s, d in bufs]
-
-
-def copy_time_us(nbytes: int, sets: int, replays: int, calls: int) -> dict:
-    """The faster of the SM copy kernel and cudaMemcpy for these bytes (the bandwidth ceiling)."""
-    best = None
-    for kind in ("sm", "memcpy"):
-        t = graph_time_us(copy_fns(nbytes, sets, kind), replays=replays, calls_per_graph=calls)
-        t["kind"] = kind
-        if best is None or t["median_us"] < best["median_us"]:
-            best = t
-    return best
 
 
 @dataclass
@@ -210,8 +152,6 @@ def sets_for_cold_l2(shape: Shape) -> int:
 def op_fns(
     shape: Shape, sets: list[dict], impl: str = "kernel", config=None, checked: bool = False
 ) -> list[Callable[[], None]]:
-    from .. import reference
-
     fns = []
     for s in sets:
         if impl == "kernel":
@@ -318,21 +258,6 @@ def run_shape(shape: Shape, *, baselines: bool = True, replays: int = 30, config
     return res
 
 
-def host_time_us(call: Callable[[], object], calls: int = 2000, warmup: int = 100) -> float:
-    """Host wall time per call of `call` issued back to back: the median of 5 timed loops."""
-    for _ in range(warmup):
-        call()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
-
-
 @dataclass
 class HostCalls:
     """What host_overhead_us times, on one input set (each call already made once)."""
@@ -345,8 +270,6 @@ class HostCalls:
 
 
 def host_calls(shape: Shape) -> HostCalls:
-    from .. import api, scratch
-
     s = input_sets(shape, 1)[0]
     args = (
         s["q_in"],
@@ -397,8 +320,6 @@ def host_overhead_us(shape: Shape, calls: int = 2000) -> dict:
         "bare_tvm_ffi_call_us": host_time_us(lambda: c.fn(*c.raw), calls),
     }
     try:
-        import attn_prologue.torch_op  # noqa: F401  (registers torch.ops.attn_prologue)
-
         op = torch.ops.attn_prologue.qnorm_rope_kv_insert
         out["torch_ops_call_us"] = host_time_us(lambda: op(*c.args[:9]), calls)
     except Exception as exc:  # the torch op is optional here
@@ -433,14 +354,14 @@ def print_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def document(results: list[Result], meta: dict) -> dict:
+def document(results: list[Result], meta: dict, provenance: dict) -> dict:
     """What `bench --json` writes and `targets` reads."""
-    return {"meta": meta, "results": [r.as_json() for r in results]}
+    return {"provenance": provenance, "meta": meta, "results": [r.as_json() for r in results]}
 
 
-def save(results: list[Result], path: str, meta: dict) -> None:
+def save(doc: dict, path: str) -> None:
     with open(path, "w") as f:
-        json.dump(document(results, meta), f, indent=1)
+        json.dump(doc, f, indent=1)
 
 
 def default_shapes(which: str = "targets") -> list[Shape]:
@@ -464,122 +385,3 @@ def default_shapes(which: str = "targets") -> list[Shape]:
             shapes += [Shape(n=t, h=64, p=64, head_dim=128, cache_format=fmt) for t in (1, 64, 2048, 8192)]
         shapes += [Shape(n=t, h=64, p=64, cache_format="mxfp8") for t in (1, 2048, 8192)]
     return shapes
-
-
-# ---- the issue's targets, checked against a bench JSON -------------------------------------------
-# (name, which results it applies to, what is measured, the bound, "min" = measured must be >= bound
-# or "max" = measured must be <= bound). H200, bf16, fp8_ds_mla, D=512, block size 64.
-def _main(s: dict) -> bool:
-    return (s["head_dim"], s["cache_format"], s["block_size"], s["dtype"], s["op"]) == (
-        512,
-        "fp8_ds_mla",
-        64,
-        "bf16",
-        "qkv",
-    )
-
-
-TARGETS = [
-    (
-        "T >= 2048, (64,64) and (16,16): of copy",
-        lambda s: _main(s) and s["n"] >= 2048 and (s["h"], s["p"]) in ((64, 64), (16, 16)),
-        "of_copy",
-        0.95,
-        "min",
-    ),
-    (
-        "T = 512, (64,64): of copy",
-        lambda s: _main(s) and s["n"] == 512 and (s["h"], s["p"]) == (64, 64),
-        "of_copy",
-        0.85,
-        "min",
-    ),
-    (
-        "T in {1, 8}, (64,64) (32,32) (16,16): us per call",
-        lambda s: _main(s) and s["n"] in (1, 8) and s["h"] == s["p"] in (64, 32, 16),
-        "us",
-        2.5,
-        "max",
-    ),
-    (
-        "T = 64, (64,64): us per call",
-        lambda s: _main(s) and s["n"] == 64 and (s["h"], s["p"]) == (64, 64),
-        "us",
-        4.0,
-        "max",
-    ),
-    ("every shape: speedup over torch.compile", lambda s: True, "vs_compile", 2.0, "min"),
-]
-
-
-def _measures(r: dict) -> dict:
-    out = {"us": r["op"]["median_us"], "of_copy": r["copy"]["median_us"] / r["op"]["median_us"]}
-    if r.get("compiled"):
-        out["vs_compile"] = r["compiled"]["median_us"] / r["op"]["median_us"]
-    return out
-
-
-def check_targets(data: dict) -> list[dict]:
-    """One row per (target, shape) plus the zero-once and host-overhead targets, each with met: bool."""
-    rows = []
-    results = data["results"]
-    for name, applies, metric, bound, kind in TARGETS:
-        for r in results:
-            m = _measures(r).get(metric)
-            if not applies(r["shape"]) or m is None:
-                continue
-            met = m >= bound if kind == "min" else m <= bound
-            rows.append(
-                {
-                    "target": name,
-                    "shape": Shape(**r["shape"]).label,
-                    "measured": m,
-                    "bound": bound,
-                    "met": met,
-                }
-            )
-    pads = {
-        (r["shape"]["n"], r["shape"]["zero_once"]): r
-        for r in results
-        if _main(r["shape"]) and (r["shape"]["h"], r["shape"]["p"]) == (8, 64)
-    }
-    for n in sorted({n for n, _ in pads}):
-        if (n, True) in pads and (n, False) in pads:
-            m = pads[(n, False)]["op"]["median_us"] / pads[(n, True)]["op"]["median_us"]
-            rows.append(
-                {
-                    "target": "(8,64) zero-once vs write-pads: speedup",
-                    "shape": f"T={n}",
-                    "measured": m,
-                    "bound": 3.0,
-                    "met": m >= 3.0,
-                }
-            )
-    meta = data.get("meta", {})
-    for when, host in (
-        ("", meta.get("host_overhead")),
-        (", after the shapes", meta.get("host_overhead_end")),
-    ):
-        if host:
-            for key in ("bound_op_us", "median_us"):
-                name = {"bound_op_us": "bound op", "median_us": "one-call function"}[key] + when
-                rows.append(
-                    {
-                        "target": "eager host overhead, T=1: us",
-                        "shape": name,
-                        "measured": host[key],
-                        "bound": 8.0,
-                        "met": host[key] <= 8.0,
-                    }
-                )
-    return rows
-
-
-def print_targets(rows: list[dict]) -> str:
-    lines = []
-    for r in rows:
-        fmt = f"{r['measured']:.1%}" if r["bound"] < 1 else f"{r['measured']:.2f}"
-        lines.append(
-            f"{'met   ' if r['met'] else 'MISSED'}  {r['target']:52} {r['shape']:48} {fmt:>8} (bound {r['bound']:g})"
-        )
-    return "\n".join(lines)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import collections
+import math
 from pathlib import Path
+
+from .tune import shape_for
 
 
 def _pyplot():
+    # matplotlib is an optional extra and slow to import: only the commands that draw load it
     import matplotlib
 
     matplotlib.use("Agg")
@@ -15,7 +19,7 @@ def _pyplot():
     return plt
 
 
-def bench_plot(results, path: str, meta: dict) -> None:
+def bench_plot(results, path: str, device: str) -> None:
     """GB/s of the op against token count per shape family, with the copy ceiling of each point."""
     plt = _pyplot()
     series = collections.defaultdict(list)
@@ -34,7 +38,7 @@ def bench_plot(results, path: str, meta: dict) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per call (T)")
     ax.set_ylabel("GB/s (op's minimum bytes / time)")
-    ax.set_title(f"attn_prologue on {meta.get('device', '?')} (dotted: device copy of the same bytes)")
+    ax.set_title(f"attn_prologue on {device} (dotted: device copy of the same bytes)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -45,10 +49,6 @@ def bench_plot(results, path: str, meta: dict) -> None:
 
 def tune_plot(sweep, variant: str, buckets: list[int], h: int, p: int, path) -> None:
     """GB/s of every config across buckets for one variant; the best per bucket is marked."""
-    import math
-
-    from .tune import shape_for
-
     plt = _pyplot()
     keys = sorted({k for (v, _, k) in sweep.timings if v == variant})
     fig, ax = plt.subplots(figsize=(9, 5.5))

@@ -3,7 +3,7 @@
 Configs are enumerated from the template's knobs, pruned (duplicates, configs that cannot differ
 from a smaller one at a bucket are still timed: the pruning here is validity and identity), compiled
 in parallel worker processes while the main process times the ones already built, each timed under
-CUDA-graph replay with cold L2 (bench.graph_time_us over rotated input sets). A failure scores
+CUDA-graph replay with cold L2 (timing.graph_time_us over rotated input sets). A failure scores
 infinity and is reported. The best config per (variant, bucket) goes into the tuning database.
 """
 
@@ -17,9 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import dispatch
+from ..jit.kernel_cache import KernelCache, KernelKey
 from ..launch import LaunchConfig
 from ..variants import QOut, parse_name
 from . import bench
+from .timing import graph_time_us
 
 # The default sweep: the knobs that won somewhere on the H200. Persistent grids never did (--space
 # full has them); register caps (min_ctas_per_sm) only pay for 4- and 8-warp CTAs of one pass, at 48
@@ -60,8 +62,6 @@ def shape_for(variant: str, n: int, h: int, p: int, block_size: int = 64) -> ben
 
 
 def _compile_job(cache_root: str, variant: str, config_key: str, target: str) -> tuple[str, str, str | None]:
-    from ..jit.kernel_cache import KernelCache, KernelKey
-
     try:
         meta = KernelCache(cache_root).ensure_built(
             KernelKey(variant, LaunchConfig.from_key(config_key), target)
@@ -148,12 +148,20 @@ def time_config(variant: str, config: LaunchConfig, n: int, *, h: int, p: int, r
     est_us = max(2.0, shape.min_bytes() / 4e6)
     calls = max(nsets, min(20, int(3000 / est_us) + 1))
     reps = max(3, min(replays, int(30000 / (est_us * calls)) + 1))
-    return bench.graph_time_us(bench.op_fns(shape, sets, config=config), replays=reps, calls_per_graph=calls)[
+    return graph_time_us(bench.op_fns(shape, sets, config=config), replays=reps, calls_per_graph=calls)[
         "median_us"
     ]
 
 
-def entries(sweep: Sweep, variants: list[str], buckets: list[int], env, h: int, p: int) -> list[dict]:
+# what each database entry keeps of the run's provenance (the GPU and versions are its key fields)
+ENTRY_PROVENANCE = ("date", "git_commit", "git_dirty", "command")
+
+
+def entries(
+    sweep: Sweep, variants: list[str], buckets: list[int], env, h: int, p: int, *, provenance: dict
+) -> list[dict]:
+    """The tuning-database entries: the fastest config per (variant, bucket), failures left out."""
+    origin = {k: provenance[k] for k in ENTRY_PROVENANCE}
     out = []
     for v in variants:
         for b in buckets:
@@ -169,6 +177,22 @@ def entries(sweep: Sweep, variants: list[str], buckets: list[int], env, h: int, 
                     "us": round(us, 3),
                     "heads": h,
                     "padded_heads": p,
+                    "provenance": origin,
                 }
             )
     return out
+
+
+def document(sweep: Sweep, env, default: LaunchConfig, provenance: dict) -> dict:
+    """What `tune --json` writes: every timing (inf for a failure) and the failures' reasons."""
+    return {
+        "provenance": provenance,
+        "seconds": sweep.seconds,
+        "env": env.as_dict(),
+        "default": default.key,
+        "timings": [
+            {"variant": v, "bucket": b, "config": k, "us": us}
+            for (v, b, k), us in sorted(sweep.timings.items())
+        ],
+        "failures": sweep.failures,
+    }

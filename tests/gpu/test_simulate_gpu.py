@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -28,7 +29,6 @@ def small_options(tmp_path, **kw) -> sim.SimOptions:
         allocating=True,
         seed=0,
         json_path=str(tmp_path / "simulate.json"),
-        command="tests/gpu/test_simulate_gpu.py",
     )
     for k, v in kw.items():
         setattr(opts, k, v)
@@ -86,8 +86,10 @@ def test_small_serving_simulation(tmp_path):
     torch.cuda.empty_cache()
 
     saved = json.loads((tmp_path / "simulate.json").read_text())
-    for key in ("device", "date", "torch", "dsl", "command", "pool", "allocating"):
+    for key in ("provenance", "options", "pool", "allocating", "summary"):
         assert key in saved
+    assert saved["provenance"]["device"]["name"] == torch.cuda.get_device_name()
+    assert saved["provenance"]["versions"]["torch"] == torch.__version__
     assert saved["pool"]["recall"] == pr["recall"]
     assert saved["pool"]["kv"]["capacity_tokens"] == pr["kv"]["capacity_tokens"]
 
@@ -123,4 +125,6 @@ def test_cli_simulate_small(tmp_path, capsys):
     assert re.search(r"needle recall \(bit-exact\)\s+16/16", text), text
     saved = json.loads(out.read_text())
     assert saved["allocating"] is None and saved["passed"]
-    assert saved["command"].startswith("python -m attn_prologue simulate --max-num-batched-tokens 2048")
+    # the process's own command line (pytest's here), verbatim; the options say what ran
+    assert saved["provenance"]["argv"] == sys.argv
+    assert saved["options"]["max_num_batched_tokens"] == 2048 and saved["options"]["layers"] == 2

@@ -4,6 +4,7 @@ heuristic's config when both are re-timed afterwards."""
 import pytest
 from attn_prologue import dispatch, tuning
 from attn_prologue.lab import tune
+from attn_prologue.lab.provenance import provenance
 
 pytestmark = pytest.mark.gpu
 
@@ -17,7 +18,7 @@ def test_small_sweep_beats_or_ties_the_heuristic(tmp_path):
     sweep = tune.run([variant], buckets, configs, jobs=2, replays=10, log=lambda msg: None)
     assert not [f for f in sweep.failures if not f[3].startswith("pruned")]
     env = tuning.current_environment()
-    rows = tune.entries(sweep, [variant], buckets, env, 64, 64)
+    rows = tune.entries(sweep, [variant], buckets, env, 64, 64, provenance=provenance())
     assert [r["bucket"] for r in rows] == buckets
     for r in rows:
         best = tune.time_config(

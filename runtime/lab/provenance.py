@@ -1,0 +1,84 @@
+"""Where a result came from: the command line, the code (git commit, uncommitted changes), the date,
+the GPU and the versions. Every lab tool writes it into its result file under "provenance", so a
+number can be traced to what produced it without a note beside it."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ..jit import compiler
+
+# the attn_prologue package: runtime/ of the checkout in an editable install
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+
+
+def provenance(argv: list[str] | None = None, device=None) -> dict:
+    """The provenance of a result made now by this process on `device` (default: the current one).
+
+    argv defaults to sys.argv; "command" is then the interpreter's own command line (sys.orig_argv:
+    `python -m attn_prologue bench ...` as typed), shell-quoted. A script that runs Python as one of
+    its steps passes its own argv, which is then both "argv" and, quoted, "command"."""
+    if argv is None:
+        argv, command = list(sys.argv), shlex.join(sys.orig_argv)
+    else:
+        argv, command = list(argv), shlex.join(argv)
+    return {
+        "argv": argv,
+        "command": command,
+        **git_state(PACKAGE_DIR),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_facts(device),
+        "versions": versions(),
+    }
+
+
+def git_state(directory: Path) -> dict:
+    """{"git_commit", "git_dirty"} of the git work tree holding `directory`. Both are None when
+    there is none, when `directory` is not tracked in it (an install inside someone else's
+    repository) or when git is missing. Untracked files do not make it dirty: result files written
+    into the checkout would, on every run after the first."""
+    unknown = {"git_commit": None, "git_dirty": None}
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(directory), *args], capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        if not git("ls-files", "--", "."):
+            return unknown
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return unknown
+    return {"git_commit": commit, "git_dirty": dirty}
+
+
+def device_facts(device=None) -> dict | None:
+    """Name, compute capability and SM count of a CUDA device; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "name": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "sm_count": props.multi_processor_count,
+    }
+
+
+def versions() -> dict:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        **compiler.dsl_versions(),
+        "attn-prologue": importlib.metadata.version("attn-prologue"),
+    }

@@ -1,0 +1,148 @@
+"""The GPU harness of `simulate`: the memory budget (a cap on the caching allocator), the model's
+fixed buffers, the KV-cache sizing, allocator counters and progress lines."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from ...formats import get_format
+from .engine import CACHE_FORMAT, SimOptions, SimulationError, Step
+from .report import gib
+
+MEM_KEYS = ("allocation.all.allocated", "segment.all.allocated", "num_alloc_retries", "num_ooms")
+
+
+def mem_stats(device) -> dict:
+    s = torch.cuda.memory_stats(device)
+    return {k: int(s.get(k, 0)) for k in MEM_KEYS}
+
+
+class Budget:
+    """The memory budget: a cap on the caching allocator (set_per_process_memory_fraction), so a
+    request beyond it is a real torch.cuda.OutOfMemoryError, and free memory as an engine sees it."""
+
+    def __init__(self, budget_bytes: int | None, device):
+        self.device = device
+        self.limit = None
+        if budget_bytes is not None:
+            gc.collect()
+            torch.cuda.empty_cache()
+            total = torch.cuda.mem_get_info(device)[1]
+            self.limit = torch.cuda.memory_reserved(device) + int(budget_bytes)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit / total), device)
+
+    def restore(self) -> None:
+        if self.limit is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    def free_for_kv(self) -> int:
+        """torch.cuda.mem_get_info's free memory (after returning cached blocks), capped by the budget."""
+        torch.cuda.synchronize(self.device)
+        gc.collect()
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(self.device)[0]
+        if self.limit is not None:
+            free = min(free, self.limit - torch.cuda.memory_reserved(self.device))
+        return max(0, int(free))
+
+    def headroom(self) -> int:
+        """What one more allocation could get now (free device memory plus cached blocks, capped)."""
+        alloc = torch.cuda.memory_allocated(self.device)
+        h = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) - alloc
+        if self.limit is not None:
+            h = min(h, self.limit - alloc)
+        return max(0, int(h))
+
+
+class Arena:
+    """Fixed-size model buffers allocated before the pool is locked; steps use views of them."""
+
+    def __init__(self, opts: SimOptions, max_pos: int, device):
+        t, h, p, d, r = (
+            opts.max_num_batched_tokens,
+            opts.heads,
+            opts.padded_heads,
+            opts.head_dim,
+            opts.rope_dim,
+        )
+        bf16 = torch.bfloat16
+        self.q = torch.empty((t, h, d), dtype=bf16, device=device)
+        self.kv = torch.empty((t, d), dtype=bf16, device=device)
+        self.slots = torch.full((t,), -1, dtype=torch.int64, device=device)
+        self.positions = torch.zeros((t,), dtype=torch.int64, device=device)
+        # real RoPE angles (theta 10000), float32 [max_pos, R]: R/2 cos columns then R/2 sin columns
+        inv_freq = 10000.0 ** (-torch.arange(0, r, 2, dtype=torch.float64, device=device) / r)
+        ang = torch.arange(max_pos, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
+        self.cos_sin = torch.cat((ang.cos(), ang.sin()), dim=1).to(torch.float32).contiguous()
+        del inv_freq, ang
+        k = max(1, opts.needles)
+        self.needle_q = torch.zeros((k, h, d), dtype=bf16, device=device)
+        self.needle_kv = torch.zeros((k, d), dtype=bf16, device=device)
+        self.needle_qout = torch.full((k, p, d), float("nan"), dtype=bf16, device=device)
+
+
+def _fmt_time(s: float) -> str:
+    if s < 60:
+        return f"{s:.1f}s"
+    return f"{int(s // 60)}m{s % 60:04.1f}s"
+
+
+class Progress:
+    """One line per step: on long schedules at most one a second, the first and last always."""
+
+    def __init__(self, label: str, steps: int, tokens: int, enabled: bool):
+        self.label, self.steps, self.tokens, self.enabled = label, steps, tokens, enabled
+        self.t0 = time.perf_counter()
+        self.last = -1.0
+
+    def update(self, k: int, tokens_done: int, step: Step) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        el = now - self.t0
+        if k != self.steps and k != 1 and now - self.last < 1.0 and self.steps > 60:
+            return
+        self.last = now
+        eta = el * (self.tokens - tokens_done) / max(1, tokens_done)
+        print(
+            f"[{self.label}] step {k}/{self.steps} {step.kind:7s} N={step.num_tokens:6d}  tokens {tokens_done}/{self.tokens}"
+            f"  elapsed {_fmt_time(el)}  ETA {_fmt_time(eta)}",
+            flush=True,
+        )
+
+
+def size_kv(opts: SimOptions, budget: Budget, needed_blocks: int, label: str) -> dict:
+    """KV-cache blocks for every layer in kv_fraction of the free memory; refuses a cache the
+    schedule's sequences do not fit in."""
+    fmt = get_format(CACHE_FORMAT)
+    block_bytes = fmt.block_bytes(opts.head_dim, opts.block_size)
+    free = budget.free_for_kv()
+    num_blocks = int(opts.kv_fraction * free) // (opts.layers * block_bytes)
+    info = dict(
+        free_bytes=free,
+        num_blocks=num_blocks,
+        block_bytes=block_bytes,
+        kv_bytes=num_blocks * block_bytes * opts.layers,
+        capacity_tokens=num_blocks * opts.block_size,
+    )
+    if opts.progress:
+        print(
+            f"[{label}] KV cache: {opts.kv_fraction:.2f} x {gib(free)} free -> {num_blocks} blocks x "
+            f"{opts.block_size} = {info['capacity_tokens']} tokens per layer, {opts.layers} layers, "
+            f"{gib(info['kv_bytes'])} ({needed_blocks} blocks needed by the schedule)",
+            flush=True,
+        )
+    if num_blocks < needed_blocks:
+        raise SimulationError(
+            f"[{label}] the KV cache holds {num_blocks} blocks but the schedule needs {needed_blocks}: "
+            f"lower --seqs/--prompt-len or raise --memory-budget-gb/--kv-fraction"
+        )
+    return info
+
+
+def fill_inputs(q, kv, gen) -> None:
+    q.normal_(generator=gen)
+    kv.normal_(generator=gen)

@@ -1,0 +1,129 @@
+"""The issue's performance targets as data, checked against a bench result document (`bench --json`,
+or the document bench builds before it prints). H200, bf16, fp8_ds_mla, D=512, block size 64."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .bench import Shape
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    bound: float
+    side: str  # "min": the measured value must be >= bound; "max": <= bound
+
+    def met(self, measured: float) -> bool:
+        return measured >= self.bound if self.side == "min" else measured <= self.bound
+
+
+@dataclass(frozen=True)
+class ShapeTarget(Target):
+    """A target checked on every result whose shape (as a dict) it applies to."""
+
+    metric: str  # "us", "of_copy" or "vs_compile"
+    applies: Callable[[dict], bool]
+
+
+def _main(s: dict) -> bool:
+    return (s["head_dim"], s["cache_format"], s["block_size"], s["dtype"], s["op"]) == (
+        512,
+        "fp8_ds_mla",
+        64,
+        "bf16",
+        "qkv",
+    )
+
+
+TARGETS = [
+    ShapeTarget(
+        "T >= 2048, (64,64) and (16,16): of copy",
+        0.95,
+        "min",
+        "of_copy",
+        lambda s: _main(s) and s["n"] >= 2048 and (s["h"], s["p"]) in ((64, 64), (16, 16)),
+    ),
+    ShapeTarget(
+        "T = 512, (64,64): of copy",
+        0.85,
+        "min",
+        "of_copy",
+        lambda s: _main(s) and s["n"] == 512 and (s["h"], s["p"]) == (64, 64),
+    ),
+    ShapeTarget(
+        "T in {1, 8}, (64,64) (32,32) (16,16): us per call",
+        2.5,
+        "max",
+        "us",
+        lambda s: _main(s) and s["n"] in (1, 8) and s["h"] == s["p"] in (64, 32, 16),
+    ),
+    ShapeTarget(
+        "T = 64, (64,64): us per call",
+        4.0,
+        "max",
+        "us",
+        lambda s: _main(s) and s["n"] == 64 and (s["h"], s["p"]) == (64, 64),
+    ),
+    ShapeTarget("every shape: speedup over torch.compile", 2.0, "min", "vs_compile", lambda s: True),
+]
+# one measurement from a pair of results (same T), and one from the run's host-overhead metadata
+ZERO_ONCE_SPEEDUP = Target("(8,64) zero-once vs write-pads: speedup", 3.0, "min")
+HOST_OVERHEAD_US = Target("eager host overhead, T=1: us", 8.0, "max")
+
+
+def _measures(r: dict) -> dict:
+    out = {"us": r["op"]["median_us"], "of_copy": r["copy"]["median_us"] / r["op"]["median_us"]}
+    if r.get("compiled"):
+        out["vs_compile"] = r["compiled"]["median_us"] / r["op"]["median_us"]
+    return out
+
+
+def _row(target: Target, shape: str, measured: float) -> dict:
+    return {
+        "target": target.name,
+        "shape": shape,
+        "measured": measured,
+        "bound": target.bound,
+        "met": target.met(measured),
+    }
+
+
+def check_targets(data: dict) -> list[dict]:
+    """One row per (target, shape) plus the zero-once and host-overhead targets, each with met: bool."""
+    rows = []
+    results = data["results"]
+    for target in TARGETS:
+        for r in results:
+            m = _measures(r).get(target.metric)
+            if target.applies(r["shape"]) and m is not None:
+                rows.append(_row(target, Shape(**r["shape"]).label, m))
+    pads = {
+        (r["shape"]["n"], r["shape"]["zero_once"]): r
+        for r in results
+        if _main(r["shape"]) and (r["shape"]["h"], r["shape"]["p"]) == (8, 64)
+    }
+    for n in sorted({n for n, _ in pads}):
+        if (n, True) in pads and (n, False) in pads:
+            m = pads[(n, False)]["op"]["median_us"] / pads[(n, True)]["op"]["median_us"]
+            rows.append(_row(ZERO_ONCE_SPEEDUP, f"T={n}", m))
+    meta = data.get("meta", {})
+    for when, host in (
+        ("", meta.get("host_overhead")),
+        (", after the shapes", meta.get("host_overhead_end")),
+    ):
+        if host:
+            for key, path in (("bound_op_us", "bound op"), ("median_us", "one-call function")):
+                rows.append(_row(HOST_OVERHEAD_US, path + when, host[key]))
+    return rows
+
+
+def print_targets(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        fmt = f"{r['measured']:.1%}" if r["bound"] < 1 else f"{r['measured']:.2f}"
+        lines.append(
+            f"{'met   ' if r['met'] else 'MISSED'}  {r['target']:52} {r['shape']:48} {fmt:>8} (bound {r['bound']:g})"
+        )
+    return "\n".join(lines)

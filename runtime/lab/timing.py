@@ -1,0 +1,95 @@
+"""How the lab times things: device time per call under CUDA-graph replay (callers rotate input sets
+so the L2 is cold), host time per call in a back-to-back loop, and the copy yardstick (the faster
+of an SM copy kernel and cudaMemcpy moving the same bytes)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from .. import dispatch
+
+
+def l2_bytes() -> int:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "L2_cache_size", 50 * 2**20))
+
+
+def graph_time_us(fns: list[Callable[[], None]], replays: int = 30, calls_per_graph: int = 20) -> dict:
+    """Capture `calls_per_graph` calls cycling through fns (one per input set) in a CUDA graph and
+    time its replays with events. Returns the median and spread per call in microseconds."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls_per_graph):
+            fns[i % len(fns)]()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / calls_per_graph)
+    return {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times)}
+
+
+def host_time_us(call: Callable[[], object], calls: int = 2000, warmup: int = 100) -> float:
+    """Host wall time per call of `call` issued back to back: the median of 5 timed loops."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def copy_fns(nbytes: int, sets: int, kind: str = "sm") -> list[Callable[[], None]]:
+    """Device-to-device copies moving nbytes in total (nbytes/2 read + nbytes/2 written):
+    kind "sm" is copy_kernel (128-bit loads/stores on the SMs), "memcpy" is torch's copy_."""
+    half = max(64, nbytes // 2 // 64 * 64)
+    bufs = [
+        (
+            torch.empty(half // 4, dtype=torch.int32, device="cuda"),
+            torch.empty(half // 4, dtype=torch.int32, device="cuda"),
+        )
+        for _ in range(sets)
+    ]
+    for s, _ in bufs:
+        s.random_(-(2**31), 2**31 - 1)
+    if kind == "memcpy":
+        return [lambda s=s, d=d: d.copy_(s) for s, d in bufs]
+    # imported here: the DSL takes about a second to import, and the CPU-only users of the lab
+    # (the targets checker, the tests) never time a copy
+    from . import copy_kernel
+
+    fn = copy_kernel.compiled(dispatch.default_runtime().device().target)
+    return [lambda s=s, d=d: fn(s, d) for s, d in bufs]
+
+
+def copy_time_us(nbytes: int, sets: int, replays: int, calls: int) -> dict:
+    """The faster of the SM copy kernel and cudaMemcpy for these bytes (the bandwidth ceiling)."""
+    best = None
+    for kind in ("sm", "memcpy"):
+        t = graph_time_us(copy_fns(nbytes, sets, kind), replays=replays, calls_per_graph=calls)
+        t["kind"] = kind
+        if best is None or t["median_us"] < best["median_us"]:
+            best = t
+    return best

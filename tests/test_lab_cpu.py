@@ -1,0 +1,214 @@
+"""The lab on the CPU: provenance (git state in a scratch repository, the command line), the import
+boundary (the library never imports the lab), tune's pruning, shapes and entries, the result
+documents, and the targets checker on a synthetic and on a committed bench file."""
+
+import ast
+import dataclasses
+import datetime
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from attn_prologue import tuning
+from attn_prologue.cli import main as cli_main
+from attn_prologue.jit import compiler
+from attn_prologue.lab import bench, provenance, targets, tune
+from attn_prologue.launch import LaunchConfig
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = tuning.Environment(
+    gpu="NVIDIA H200", sms=132, capability="9.0", driver="13000", package="0.1.0", dsl="abc"
+)
+ORIGIN = {
+    "argv": ["x"],
+    "command": "x",
+    "git_commit": "0" * 40,
+    "git_dirty": False,
+    "date": "2026-01-01T00:00:00+00:00",
+    "device": None,
+    "versions": {},
+}
+
+
+# ---- provenance ----------------------------------------------------------------------------------
+def git(cwd, *args):
+    subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no repository above tmp_path counts
+    root = tmp_path / "checkout"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "module.py").write_text("x = 1\n")
+    git(root, "init", "-q")
+    git(root, "add", ".")
+    git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    return root
+
+
+def test_git_state_of_a_clean_then_edited_checkout(repo):
+    head = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout
+    assert provenance.git_state(repo / "pkg") == {"git_commit": head.strip(), "git_dirty": False}
+    (repo / "results.json").write_text("{}")  # an untracked result file is not an edit
+    assert provenance.git_state(repo / "pkg")["git_dirty"] is False
+    (repo / "pkg" / "module.py").write_text("x = 2\n")
+    assert provenance.git_state(repo / "pkg") == {"git_commit": head.strip(), "git_dirty": True}
+
+
+def test_git_state_is_unknown_outside_a_checkout_or_without_git(repo, tmp_path, monkeypatch):
+    unknown = {"git_commit": None, "git_dirty": None}
+    outside = tmp_path / "installed"
+    outside.mkdir()
+    assert provenance.git_state(outside) == unknown
+    inside_untracked = repo / "venv" / "site-packages"  # an install inside someone else's checkout
+    inside_untracked.mkdir(parents=True)
+    (inside_untracked / "module.py").write_text("")
+    assert provenance.git_state(inside_untracked) == unknown
+    monkeypatch.setenv("PATH", str(tmp_path / "no-git-here"))
+    assert provenance.git_state(repo / "pkg") == unknown
+
+
+def test_provenance_records_the_command_line_verbatim():
+    p = provenance.provenance()
+    assert p["argv"] == sys.argv
+    assert p["command"] == shlex.join(sys.orig_argv)
+    assert p["git_commit"] is None or len(p["git_commit"]) == 40
+    assert datetime.datetime.fromisoformat(p["date"]).utcoffset() == datetime.timedelta(0)
+    assert p["device"] == (None if not torch.cuda.is_available() else provenance.device_facts())
+    assert p["versions"]["torch"] == torch.__version__
+    assert set(compiler.DSL_PACKAGES) | {"python", "cuda", "attn-prologue"} <= set(p["versions"])
+    script = provenance.provenance(argv=["tests/gpu/run_suite.sh", "out dir/suite.json", "-k", "tune"])
+    assert script["argv"] == ["tests/gpu/run_suite.sh", "out dir/suite.json", "-k", "tune"]
+    assert script["command"] == "tests/gpu/run_suite.sh 'out dir/suite.json' -k tune"
+
+
+# ---- the import boundary ---------------------------------------------------------------------------
+def imported_modules(path: Path, package: str) -> set[str]:
+    """Absolute names of every module a file imports, at module level or inside functions."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names |= {module} | {f"{module}.{a.name}" for a in node.names}
+    return names
+
+
+def test_the_library_never_imports_the_lab():
+    runtime = REPO / "runtime"
+    # the command line is the lab's front end; everything else at the top, jit/ and device/ is the library
+    files = [f for f in runtime.glob("*.py") if f.name not in ("cli.py", "__main__.py")]
+    files += [*(runtime / "jit").glob("*.py"), *(runtime / "device").glob("*.py")]
+    for f in files:
+        package = ".".join(["attn_prologue", *f.parent.relative_to(runtime).parts])
+        lab = {m for m in imported_modules(f, package) if m.startswith("attn_prologue.lab")}
+        assert not lab, f"{f.relative_to(REPO)} imports {sorted(lab)}"
+    cli_top = ast.parse((runtime / "cli.py").read_text()).body  # and the command line only in its commands
+    assert not [
+        n for n in cli_top if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("lab")
+    ]
+
+
+def test_prune_drops_duplicates_and_invalid_configs_keeping_order():
+    a, b = LaunchConfig(4, 1, True, True), LaunchConfig(8, 1, True, True)
+    big = LaunchConfig(32, 1, True, True)  # 1024 threads: still valid
+    assert tune.prune([a, b, a, big, b]) == [a, b, big]
+    assert (
+        len(tune.prune(tune.DEFAULT_SPACE)) == len(tune.DEFAULT_SPACE) == 80
+    )  # 64 + 8 register-capped + 8 of them spread
+
+
+def test_tune_shapes_follow_the_variant():
+    s = tune.shape_for("qkv_q8_d128r64_mxfp4_fp16_sm90", 64, 64, 64)
+    assert (s.head_dim, s.cache_format, s.dtype, s.q_fp8, s.op) == (128, "mxfp4", "fp16", True, "qkv")
+    assert tune.shape_for("kv_norm_d512r64_fp8_ds_mla_bf16_sm90", 8, 64, 64).op == "kv_norm"
+
+
+def test_tune_entries_take_the_fastest_config_per_bucket():
+    sweep = tune.Sweep()
+    v = "qkv_d512r64_fp8_ds_mla_bf16_sm90"
+    sweep.timings = {
+        (v, 1, "w2_u1_pdl1_nc1"): 1.5,
+        (v, 1, "w4_u1_pdl1_nc1"): 1.4,
+        (v, 64, "w2_u1_pdl1_nc1"): float("inf"),
+        (v, 64, "w4_u1_pdl1_nc1"): 4.0,
+    }
+    rows = tune.entries(sweep, [v], [1, 64], ENV, 64, 64, provenance=ORIGIN)
+    assert [(r["bucket"], r["config"], r["us"]) for r in rows] == [
+        (1, "w4_u1_pdl1_nc1", 1.4),
+        (64, "w4_u1_pdl1_nc1", 4.0),
+    ]
+    # each entry says which run chose it; the GPU and the versions are already its key fields
+    assert all(r["provenance"] == {k: ORIGIN[k] for k in tune.ENTRY_PROVENANCE} for r in rows)
+
+
+def test_target_checker_on_a_synthetic_bench_file():
+    """`attn_prologue targets` reads a bench JSON; each bound is checked on the side it names."""
+
+    def result(n, h, p, us, copy_us, compiled_us=None, zero_once=False):
+        shape = dataclasses.asdict(bench.Shape(n=n, h=h, p=p, zero_once=zero_once))
+        return {
+            "shape": shape,
+            "op": {"median_us": us},
+            "copy": {"median_us": copy_us},
+            "compiled": {"median_us": compiled_us} if compiled_us else None,
+        }
+
+    data = {
+        "results": [
+            result(8192, 16, 16, 100.0, 94.0, compiled_us=300.0),  # 94% of copy: missed
+            result(2048, 64, 64, 100.0, 96.0, compiled_us=150.0),  # 96%: met; 1.5x vs compile: missed
+            result(8, 32, 32, 2.4, 2.0),  # 2.4 us <= 2.5: met
+            result(64, 64, 64, 4.1, 4.0),  # 4.1 us > 4.0: missed
+            result(2048, 8, 64, 40.0, 39.0),
+            result(2048, 8, 64, 10.0, 9.0, zero_once=True),  # 4x: met
+        ],
+        "meta": {
+            "host_overhead": {"bound_op_us": 7.9, "median_us": 8.1},
+            "host_overhead_end": {"bound_op_us": 8.5, "median_us": 6.0},
+        },
+    }
+    rows = targets.check_targets(data)
+    got = {(r["target"].split(":")[0], r["shape"]): r["met"] for r in rows}
+    assert got == {
+        ("T >= 2048, (64,64) and (16,16)", "qkv fp8_ds_mla D=512 T=8192 H=16 P=16"): False,
+        ("T >= 2048, (64,64) and (16,16)", "qkv fp8_ds_mla D=512 T=2048 H=64 P=64"): True,
+        ("T in {1, 8}, (64,64) (32,32) (16,16)", "qkv fp8_ds_mla D=512 T=8 H=32 P=32"): True,
+        ("T = 64, (64,64)", "qkv fp8_ds_mla D=512 T=64 H=64 P=64"): False,
+        ("every shape", "qkv fp8_ds_mla D=512 T=8192 H=16 P=16"): True,
+        ("every shape", "qkv fp8_ds_mla D=512 T=2048 H=64 P=64"): False,
+        ("(8,64) zero-once vs write-pads", "T=2048"): True,
+        ("eager host overhead, T=1", "bound op"): True,
+        ("eager host overhead, T=1", "one-call function"): False,
+        ("eager host overhead, T=1", "bound op, after the shapes"): False,
+        ("eager host overhead, T=1", "one-call function, after the shapes"): True,
+    }
+
+
+def test_the_targets_command_on_the_committed_bench(capsys):
+    """The checker reads results/bench-h200-targets.json as results/README.md states: 32 met, and the
+    four host-overhead rows of that run's slow host missed."""
+    assert cli_main(["targets", str(REPO / "results" / "bench-h200-targets.json")]) == 1
+    out = capsys.readouterr().out
+    assert "targets: 32 met, 4 missed" in out
+    assert all(line.startswith("met") or "eager host overhead" in line for line in out.splitlines()[:36])
+
+
+def test_result_documents_carry_their_provenance():
+    shape = bench.Shape(n=8)
+    r = bench.Result(dataclasses.asdict(shape), shape.min_bytes(), {"median_us": 2.0}, {"median_us": 1.0})
+    doc = bench.document([r], {"l2_bytes": 1}, ORIGIN)
+    assert doc["provenance"] == ORIGIN and doc["meta"] == {"l2_bytes": 1}
+    assert doc["results"][0]["gbs"] == shape.min_bytes() / 2.0 / 1e3
+    sweep = tune.Sweep(timings={("v", 2, "k"): 1.0, ("v", 1, "k"): float("inf")}, seconds=3.0)
+    tdoc = tune.document(sweep, ENV, LaunchConfig(4, 1, True, True), ORIGIN)
+    assert tdoc["provenance"] == ORIGIN and tdoc["env"] == ENV.as_dict()
+    assert [t["bucket"] for t in tdoc["timings"]] == [1, 2]
