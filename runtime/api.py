@@ -123,6 +123,14 @@ class BoundOp:
         # micro-batch -> (kernel's q_out, the views returned per token count)
         self._out = {mb: (b, {}) for mb, b in enumerate(self.buffers)}
         self._k_cache = None
+        self._invalid: str | None = None
+
+    def invalidate(self, reason: str) -> None:
+        """The pool retired a buffer this op writes: drop it (so reserved_bytes is what is held) and
+        refuse every later call with a ScratchError saying why."""
+        self._invalid = reason
+        self.capacity = -1  # every call now takes the full check, which raises
+        self.buffers, self._out = [], {}
 
     def __call__(self, q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, *, micro_batch: int = 0):
         """Run the op; returns q_out: [N, P, D] (a scratch view), or q_in itself when written in place.
@@ -131,7 +139,12 @@ class BoundOp:
         the one of the last call) the whole argument list. The compiled function checks the rest
         (dtypes, shapes, strides, alignment, device, equal row counts of q_in, kv and positions)."""
         n = q_in.shape[0]
-        if slot_mapping.shape[0] > n or n > self.capacity or k_cache is not self._k_cache:
+        if (
+            slot_mapping.shape[0] > n
+            or n > self.capacity
+            or k_cache is not self._k_cache
+            or q_in.shape[1] != self.h  # more heads than bound would write over the zero-once pads
+        ):
             self._full_check(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch)
         if self.in_place:
             out, views = q_in, None
@@ -141,8 +154,8 @@ class BoundOp:
             except (KeyError, TypeError):
                 self._check_micro_batch(micro_batch)
                 raise
-        if n == 0:
-            return out[:0]
+        if n == 0:  # (the kernel's view of an FP8 q_out is uint8: hand back the caller's dtype)
+            return out[:0].view(torch.float8_e4m3fn) if self.q_scale is not None else out[:0]
         fn, tail = self._calls[min((n - 1).bit_length(), MAX_BUCKET_LOG2)]  # bucket_index(n), inlined
         try:
             fn(q_in, kv, out, k_cache, slot_mapping, positions, cos_sin_cache, *tail)
@@ -170,6 +183,8 @@ class BoundOp:
             )
 
     def _full_check(self, q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch):
+        if self._invalid is not None:
+            raise ScratchError(f"this bound op can no longer be called: {self._invalid}")
         self._check_micro_batch(micro_batch)
         if not isinstance(q_in, torch.Tensor) or q_in.dim() != 3 or q_in.shape[1] != self.h:
             raise InputError(

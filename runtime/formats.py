@@ -1,7 +1,7 @@
 """Paged KV-cache formats: the one place a byte layout is defined.
 
 Every format keeps the per-token data records first in a block and the per-token scale records
-after all of them (a footer), so data records stay 16-byte aligned (spec/formats.md). The codecs,
+after all of them (a footer), so data records stay 16-byte aligned (docs/formats.md). The codecs,
 the PyTorch reference, the generator and the runtime validation all read these tables.
 """
 

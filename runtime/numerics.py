@@ -34,7 +34,7 @@ def round_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     Computed on the float32 bits, not as `x.to(dtype).to(torch.float32)`: under torch.compile,
     Inductor fuses that pair into a no-op (it skips intermediate downcasts unless
-    `emulate_precision_casts` is set), which silently dropped the rounding that spec/op.md
+    `emulate_precision_casts` is set), which silently dropped the rounding that docs/op.md
     requires (KV path step 3, and the norm of the weighted-norm KV relative). Equal to the cast
     pair for every non-NaN input; a NaN comes back as a quiet NaN (payload not pinned).
     """
@@ -76,7 +76,7 @@ def ceil_log2_exponent(r: torch.Tensor) -> torch.Tensor:
 
     `((bits + 0x7FFFFF) >> 23) - 127`: a nonzero mantissa carries into the exponent. Saturates at
     127 like `cvt.rp.satfinite.ue8m0x2.f32` (byte 254, the largest finite UE8M0), so +Inf gives
-    127 on every target (spec/formats.md gives the portable integer form of that instruction).
+    127 on every target (docs/formats.md gives the portable integer form of that instruction).
     """
     bits = r.view(torch.int32)
     return (((bits + F32_MANTISSA_MASK) >> 23) - 127).clamp_max(127)

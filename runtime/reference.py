@@ -1,4 +1,4 @@
-"""PyTorch reference of the op family (spec/op.md): the contract every kernel is checked against.
+"""PyTorch reference of the op family (docs/op.md): the contract every kernel is checked against.
 
 Vectorized over tokens and heads, runs on CPU and CUDA, never synchronizes the device, and traces
 under torch.compile(fullgraph=True). Two operation orders:

@@ -1,4 +1,4 @@
-"""The padded-Q scratch pool (spec/op.md section 6).
+"""The padded-Q scratch pool (docs/serving.md).
 
 One buffer per (device, micro-batch, dtype, P, D), shared by all layers, sized for the largest batch
 the scheduler can form and reserved during the memory-profiling run before the KV cache is sized.
@@ -10,26 +10,26 @@ does not fit is a ScratchError, never an allocation. P == H needs no scratch (Q 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import ScratchError
 
-# data_ptr of every zero-once buffer -> the live head count kernels write into it (None: unbound)
-_ZERO_ONCE: dict[int, int | None] = {}
 
-
-def zero_once_heads(q_out: torch.Tensor) -> int | None:
-    """Live-head count of the pool buffer q_out starts at (a pool view), else None."""
-    return _ZERO_ONCE.get(q_out.data_ptr())
-
-
-@dataclass
+@dataclass(eq=False)
 class _Buffer:
     tensor: torch.Tensor
-    live_heads: int | None = None
+    live_heads: int | None = None  # the H whose kernels write it (zero-once: pads [H, P) stay zero)
     views: dict = field(default_factory=dict)
+    # bound ops writing this buffer: told when it is retired (released, or replaced by a larger one)
+    claimants: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+    def retire(self, why: str) -> None:
+        for op in list(self.claimants):
+            op.invalidate(f"its scratch buffer was {why}; bind the layer again")
+        self.claimants.clear()
 
 
 class ScratchPool:
@@ -81,11 +81,10 @@ class ScratchPool:
                 if buf is not None and buf.tensor.shape[0] >= max_tokens:
                     continue
                 if buf is not None:
-                    _ZERO_ONCE.pop(buf.tensor.data_ptr(), None)
+                    buf.retire(f"replaced by a larger one ({max_tokens} tokens)")
                     added -= buf.tensor.numel() * buf.tensor.element_size()
                 t = torch.zeros((max_tokens, padded_heads, head_dim), dtype=dtype, device=key[0])
                 self._buffers[key] = _Buffer(t, buf.live_heads if buf else None)
-                _ZERO_ONCE[t.data_ptr()] = buf.live_heads if buf else None
                 added += t.numel() * t.element_size()
         return added
 
@@ -99,8 +98,10 @@ class ScratchPool:
         return self._locked
 
     def lock(self) -> None:
-        """From now on nothing is allocated: views of a size that does not fit raise ScratchError."""
-        self._locked = True
+        """From now on nothing is allocated: views of a size that does not fit raise ScratchError.
+        Waits for a reserve() in progress on another thread."""
+        with self._lock:
+            self._locked = True
 
     def capacity(
         self, *, padded_heads: int, head_dim: int, dtype=torch.bfloat16, micro_batch: int = 0, device=None
@@ -126,9 +127,10 @@ class ScratchPool:
             )
         return buf.tensor
 
-    def claim(self, live_heads: int, **key) -> torch.Tensor:
+    def claim(self, live_heads: int, *, owner=None, **key) -> torch.Tensor:
         """Bind a live-head count to a buffer (zero-once): every kernel writing it must use the same
-        H, or heads [H, P) would keep another H's values instead of zeros."""
+        H, or heads [H, P) would keep another H's values instead of zeros. `owner` (a bound op) is
+        told through `owner.invalidate(reason)` when the buffer is released or replaced."""
         k = self._key(
             key.get("device"),
             key.get("micro_batch", 0),
@@ -144,7 +146,8 @@ class ScratchPool:
                 f"cannot also serve H={live_heads} (reserve another P, or use write-zeros mode)"
             )
         buf.live_heads = live_heads
-        _ZERO_ONCE[buf.tensor.data_ptr()] = live_heads
+        if owner is not None:
+            buf.claimants.add(owner)
         return buf.tensor
 
     def view(
@@ -186,6 +189,6 @@ class ScratchPool:
         """Drop every buffer (unlocks)."""
         with self._lock:
             for b in self._buffers.values():
-                _ZERO_ONCE.pop(b.tensor.data_ptr(), None)
+                b.retire("released")
             self._buffers.clear()
             self._locked = False

@@ -1,6 +1,6 @@
 """The torch ops: `torch.ops.attn_prologue.qnorm_rope_kv_insert` and `...kv_rope_insert`.
 
-Caller-owned schema (spec/op.md section 1): `q_in, kv, q_out!, k_cache!, slot_mapping, positions,
+Caller-owned schema (docs/op.md): `q_in, kv, q_out!, k_cache!, slot_mapping, positions,
 cos_sin_cache, eps, block_size -> ()`, plus optional trailing arguments with defaults (cache format
 and FP8 scales) so existing callers keep working. `mutates_args` = q_out and k_cache: under
 torch.compile the call is auto_functionalized and re-inplaced. Implementations: CPU = the reference,
@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from . import ops, reference, validate
-from .scratch import zero_once_heads
 
 NAMESPACE = "attn_prologue"
 
@@ -112,7 +111,6 @@ def _qkv_cuda(
         cache_format,
         kv_scale=kv_scale,
         q_scale=q_scale,
-        write_pad_heads=zero_once_heads(q_out) != q_in.shape[1],
     )
 
 
@@ -246,9 +244,13 @@ def qnorm_rope_kv_insert(
     cache_format="fp8_ds_mla",
     kv_scale=None,
     q_scale=None,
+    *,
+    write_pad_heads: bool = True,
 ) -> None:
-    """The fused op (spec/op.md): writes q_out[:N, :H] (pads [H, P) read as zero afterwards) and
-    inserts rows t < len(slot_mapping) with slot >= 0 into k_cache. Nothing is allocated."""
+    """The fused op: writes q_out[:N, :H], zeroes the pad heads [H, P), and inserts rows
+    t < len(slot_mapping) with slot >= 0 into k_cache. Nothing is allocated.
+    `write_pad_heads=False` skips zeroing the pads in eager mode: only for a q_out whose pads are
+    known to be zero (a buffer only kernels with this H write); bound ops track that themselves."""
     if q_in.is_cuda and not torch.compiler.is_compiling():
         ops.qnorm_rope_kv_insert(
             q_in,
@@ -263,7 +265,7 @@ def qnorm_rope_kv_insert(
             cache_format,
             kv_scale=kv_scale,
             q_scale=q_scale,
-            write_pad_heads=zero_once_heads(q_out) != q_in.shape[1],
+            write_pad_heads=write_pad_heads,
         )
         return
     torch.ops.attn_prologue.qnorm_rope_kv_insert(

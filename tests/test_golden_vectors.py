@@ -1,4 +1,4 @@
-"""Golden vectors for every cache format, derived BY HAND (spec/formats.md).
+"""Golden vectors for every cache format, derived BY HAND (docs/formats.md).
 
 Nothing here is computed by the code under test: every expected byte is a literal, and the comment
 next to it says how it was derived. The conventions used in the derivations:
@@ -42,7 +42,7 @@ def is_bf16_nan(lo: int, hi: int) -> bool:
 
     The NaN payload of a float32 -> bf16 conversion is NOT pinned by the reference: torch's CPU
     vectorized conversion gives 0xFFFF, its scalar path 0x7FC0, CUDA / cvt.rn.bf16.f32 0x7FFF.
-    spec/formats.md does not say which; these tests only require a NaN."""
+    docs/formats.md does not say which; these tests only require a NaN."""
     v = lo | (hi << 8)
     return (v & 0x7F80) == 0x7F80 and (v & 0x7F) != 0
 
@@ -64,7 +64,7 @@ def insert_and_read(
     name: str, x: torch.Tensor, d: int, block_size: int, slot: int, page_pad: int, kv_scale=None
 ):
     """insert_kv one token into a poisoned cache; return (page bytes of its block, data, scale)
-    read back at the offsets of spec/formats.md (computed here from the hand table below)."""
+    read back at the offsets of docs/formats.md (computed here from the hand table below)."""
     db, sb = HAND_BYTES[name](d)
     page = block_size * (db + sb) + page_pad
     nblocks = slot // block_size + 2
@@ -81,7 +81,7 @@ def insert_and_read(
     return data, scale
 
 
-# Bytes per token record from the table in spec/formats.md (not from formats.py):
+# Bytes per token record from the table in docs/formats.md (not from formats.py):
 # (data record bytes, scale record bytes) as a function of D.
 HAND_BYTES = {
     "fp8_ds_mla": lambda d: (448 + 2 * 64, 7 + 1),  # 448 e4m3 + 64 bf16 | 7 UE8M0 + 1 pad
@@ -730,7 +730,7 @@ def test_decode_overflow_near_float32_max():
 
 
 def test_kv_values_are_rounded_before_quantization():
-    """spec/op.md KV step 3: the rotated values are rounded through the I/O dtype (bf16) and the
+    """docs/op.md KV step 3: the rotated values are rounded through the I/O dtype (bf16) and the
     quantizer sees the rounded values. mxfp8 quantizes the rope dims, so a double rounding is
     visible: pair 0 of the rope (dims 448, 449) = (1.0, 0) with cos = c = 1.0625 + 2^-20 and
     sin = 0 gives even' = 1.0 * c - 0 * 0 = c exactly (both orders).

@@ -1,4 +1,4 @@
-"""Property tests of the reference (spec/op.md, spec/formats.md) against independent oracles:
+"""Property tests of the reference (docs/op.md, docs/formats.md) against independent oracles:
 exact rational arithmetic (fractions.Fraction), brute-force nearest-value searches over hand-built
 value tables, float64 re-derivations of the math, and slow per-row Python loops for the paging."""
 
@@ -484,7 +484,7 @@ def oracle_cache(
     data: torch.Tensor,
     scale: torch.Tensor,
 ) -> torch.Tensor:
-    """Slow independent paging: one row at a time, byte offsets from spec/formats.md."""
+    """Slow independent paging: one row at a time, byte offsets from docs/formats.md."""
     db, sb = data.shape[1], scale.shape[1]
     out = before.clone()
     for t, slot in enumerate(slots):
@@ -817,7 +817,7 @@ def assert_orders_agree(a: torch.Tensor, b: torch.Tensor, r: int, dtype: torch.d
     in float32 by a few roundings of the PRODUCTS e*c, o*s (fma or not), i.e. a few 2^-24 *
     (|e c| + |o s|) <= 2^-23 * sqrt(2) * |pair|, which is NOT small against the result when the
     rotation cancels (e c ~ o s): then the 16-bit results can be many ulps apart (measured: up to
-    25 bf16 ulps in 1 of ~2M random values). spec/op.md's "within 1 bf16 ulp" holds only without
+    25 bf16 ulps in 1 of ~2M random values). docs/op.md's "within 1 bf16 ulp" holds only without
     such cancellation."""
     d = a.shape[-1]
     ia, ib = a.view(torch.int16), b.view(torch.int16)

@@ -133,19 +133,44 @@ def test_pool_accounting_views_lock_and_does_not_fit():
     assert pool.reserved_bytes == added
 
 
-def test_pool_grows_before_lock_and_keeps_zero_once_ownership():
+class Claimant:
+    """Stands in for a bound op (which needs a GPU): records what the pool tells it."""
+
+    def __init__(self):
+        self.reasons = []
+
+    def invalidate(self, reason):
+        self.reasons.append(reason)
+
+
+def test_pool_grows_before_lock_keeps_zero_once_ownership_and_retires_old_buffers():
     pool = ap.ScratchPool()
     pool.reserve(max_tokens=4, padded_heads=8, head_dim=128, micro_batches=1, device="cpu")
-    t = pool.claim(2, padded_heads=8, head_dim=128, device="cpu")
-    from attn_prologue.scratch import zero_once_heads
-
-    assert zero_once_heads(t) == 2
+    op = Claimant()
+    t = pool.claim(2, owner=op, padded_heads=8, head_dim=128, device="cpu")
     v = pool.view(10, padded_heads=8, head_dim=128, device="cpu")  # not locked: grows (zeroed)
-    assert v.shape[0] == 10 and not v.any() and zero_once_heads(v) == 2
-    with pytest.raises(ScratchError, match="already serves H=2"):
+    assert v.shape[0] == 10 and not v.any() and v.data_ptr() != t.data_ptr()
+    assert op.reasons and "replaced by a larger one (10 tokens)" in op.reasons[0]  # its buffer is gone
+    assert pool.reserved_bytes == 10 * 8 * 128 * 2  # the old buffer is not counted (nor held by the pool)
+    with pytest.raises(ScratchError, match="already serves H=2"):  # ownership moved to the new buffer
         pool.claim(4, padded_heads=8, head_dim=128, device="cpu")
+    again = Claimant()
+    pool.claim(2, owner=again, padded_heads=8, head_dim=128, device="cpu")
     pool.release()
-    assert pool.reserved_bytes == 0 and zero_once_heads(v) is None
+    assert pool.reserved_bytes == 0 and again.reasons == [
+        "its scratch buffer was released; bind the layer again"
+    ]
+    assert len(op.reasons) == 1  # told once
+
+
+def test_claimants_are_held_weakly():
+    import gc
+
+    pool = ap.ScratchPool()
+    pool.reserve(max_tokens=4, padded_heads=8, head_dim=128, micro_batches=1, device="cpu")
+    pool.claim(2, owner=Claimant(), padded_heads=8, head_dim=128, device="cpu")
+    gc.collect()
+    pool.release()  # a dropped bound op is not kept alive, nor called
 
 
 # ---- tuning database -----------------------------------------------------------------------------

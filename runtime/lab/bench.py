@@ -3,7 +3,7 @@ of the reference), one shape's measurement against the copy of its minimum bytes
 graph replay with input sets rotated so the working set is several times the L2), the host overhead
 of a T=1 call, the checked-mode cost, and the result document `bench --json` writes.
 
-Bytes the op must move per token (design.md): H*D*2 (q in) + P_written*D*2 (q out) + D*2 (kv in)
+Bytes the op must move per token: H*D*2 (q in) + P_written*D*2 (q out) + D*2 (kv in)
 + cache bytes per token + R*4 (cos/sin row) + 16 (position and slot ids).
 """
 
