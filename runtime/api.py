@@ -44,7 +44,7 @@ class BoundOp:
         eps: float = 1e-6,
         kv_scale: torch.Tensor | None = None,
         q_scale: torch.Tensor | None = None,
-        checked: bool = False,
+        checked: bool = True,
         device=None,
         config: LaunchConfig | None = None,
         runtime: Runtime | None = None,

@@ -161,6 +161,20 @@ def insert_kv(
 
 
 # ---- the ops -------------------------------------------------------------------------------
+def in_bounds(slot_mapping, positions, k_cache, cos_sin_cache, block_size):
+    """(slots with every out-of-range row turned into a skip (-1), positions safe to read, and the
+    mask of positions in [0, max_pos)): what the kernels do with out-of-range ids. A KV row whose slot
+    is past the cache or whose position is outside the table is skipped; a Q token whose position is
+    outside the table is written as zeros. Nothing is read or written out of bounds."""
+    m = slot_mapping.shape[0]
+    pos_ok = (positions >= 0) & (positions < cos_sin_cache.shape[0])
+    safe_positions = torch.where(pos_ok, positions, torch.zeros_like(positions))
+    slots = slot_mapping.to(torch.int64)
+    capacity = k_cache.shape[0] * block_size
+    kv_ok = (slots < capacity) & pos_ok[:m]
+    return torch.where(kv_ok, slots, torch.full_like(slots, -1)), safe_positions, pos_ok
+
+
 def qnorm_rope_kv_insert(
     q_in: torch.Tensor,
     kv: torch.Tensor,
@@ -187,10 +201,12 @@ def qnorm_rope_kv_insert(
     num = fmt.resolve_numerics(numerics)
     n = q_in.shape[0]
     m = slot_mapping.shape[0]
+    slots, positions, pos_ok = in_bounds(slot_mapping, positions, k_cache, cos_sin_cache, block_size)
     q = q_values(q_in, positions[:n], cos_sin_cache, eps, apply_q_norm=apply_q_norm, order=order)
+    q = torch.where(pos_ok[:n].view(n, 1, 1), q, torch.zeros_like(q))
     vals = kv_values(kv[:m], positions[:m], cos_sin_cache, order=order, rotated_row=num.rotated_row)
     store_q(q_out, q, q_scale=q_scale, write_pad_heads=write_pad_heads)
-    insert_kv(k_cache, fmt, vals, slot_mapping, block_size, kv_scale, num)
+    insert_kv(k_cache, fmt, vals, slots, block_size, kv_scale, num)
 
 
 def kv_rope_insert(
@@ -212,6 +228,7 @@ def kv_rope_insert(
     fmt = get_format(cache_format)
     num = fmt.resolve_numerics(numerics)
     m = slot_mapping.shape[0]
+    slots, positions, _ = in_bounds(slot_mapping, positions, k_cache, cos_sin_cache, block_size)
     vals = kv_values(
         kv[:m],
         positions[:m],
@@ -221,4 +238,4 @@ def kv_rope_insert(
         order=order,
         rotated_row=num.rotated_row,
     )
-    insert_kv(k_cache, fmt, vals, slot_mapping, block_size, kv_scale, num)
+    insert_kv(k_cache, fmt, vals, slots, block_size, kv_scale, num)

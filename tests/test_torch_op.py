@@ -126,3 +126,27 @@ def test_op_validates_before_writing(bad):
     with pytest.raises(ap.InputError):
         torch.ops.attn_prologue.qnorm_rope_kv_insert(*x.values(), 1e-6, BS)
     assert torch.equal(before, x["k_cache"])
+
+
+@pytest.mark.parametrize("form", ["torch op", "package function"])
+def test_out_of_range_ids_are_skipped_on_cpu_and_nothing_else_changes(form):
+    """The CPU implementation skips what the kernels skip: a KV row whose slot is past the cache or
+    whose position is outside the table, and zeroes the Q token of an out-of-range position; it
+    never raises part-way (the old reference raised IndexError after writing q_out)."""
+    a = inputs(3)
+    capacity = a["k_cache"].shape[0] * BS
+    a["slot_mapping"] = torch.tensor([3, capacity, 17, 2**36, 5, 63])
+    a["positions"][4] = a["cos_sin_cache"].shape[0]  # one past the table (row 4's slot is in range)
+    a["positions"][2] = -1
+    before = {k: v.clone() for k, v in a.items()}
+    call = torch.ops.attn_prologue.qnorm_rope_kv_insert if form == "torch op" else ap.qnorm_rope_kv_insert
+    call(*a.values(), 1e-6, BS)
+    # expected: the same call with those rows' slots set to "skip" and their positions in range
+    b = {k: v.clone() for k, v in before.items()}
+    b["slot_mapping"] = torch.tensor([3, -1, -1, -1, -1, 63])
+    b["positions"][[2, 4]] = 0
+    reference.qnorm_rope_kv_insert(*b.values(), 1e-6, BS)
+    b["q_out"][[2, 4], :H] = 0
+    assert torch.equal(a["k_cache"], b["k_cache"])
+    assert torch.equal(a["q_out"].view(torch.int16), b["q_out"].view(torch.int16))
+    assert not torch.equal(a["k_cache"], before["k_cache"])  # the in-range rows were written

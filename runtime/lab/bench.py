@@ -150,7 +150,7 @@ def sets_for_cold_l2(shape: Shape) -> int:
 
 
 def op_fns(
-    shape: Shape, sets: list[dict], impl: str = "kernel", config=None, checked: bool = False
+    shape: Shape, sets: list[dict], impl: str = "kernel", config=None, checked: bool = True
 ) -> list[Callable[[], None]]:
     fns = []
     for s in sets:
@@ -188,6 +188,7 @@ def op_fns(
                         norm_weight=s.get("norm_weight"),
                         kv_scale=s.get("kv_scale"),
                         config=config,
+                        checked=checked,
                     )
                 )
         else:
@@ -289,7 +290,7 @@ def host_calls(shape: Shape) -> HostCalls:
     fn = launcher.fn
     raw = tuple(s[name] for name in ops.QKV_TENSORS) + launcher.tail(
         ops.QKV_TENSORS, errors=rt.errors_buffer(), eps=1e-6, block_size=shape.block_size, n_write_heads=shape.p,
-        checked=0,
+        checked=1,
     )  # fmt: skip
     fn(*raw)
     pool = scratch.ScratchPool()
@@ -329,13 +330,18 @@ def host_overhead_us(shape: Shape, calls: int = 2000) -> dict:
 
 
 def checked_cost(shape: Shape, replays: int = 30) -> dict:
-    """Time of the op with index checking on vs off (same inputs, same run)."""
+    """Time of the op with its always-on bounds checks vs with them off (same inputs, same run; off
+    twice around on, for the spread)."""
     nsets = sets_for_cold_l2(shape)
     sets = input_sets(shape, nsets)
     calls = max(nsets, 20)
-    off = graph_time_us(op_fns(shape, sets), replays=replays, calls_per_graph=calls)["median_us"]
+    off = graph_time_us(op_fns(shape, sets, checked=False), replays=replays, calls_per_graph=calls)[
+        "median_us"
+    ]
     on = graph_time_us(op_fns(shape, sets, checked=True), replays=replays, calls_per_graph=calls)["median_us"]
-    off2 = graph_time_us(op_fns(shape, sets), replays=replays, calls_per_graph=calls)["median_us"]
+    off2 = graph_time_us(op_fns(shape, sets, checked=False), replays=replays, calls_per_graph=calls)[
+        "median_us"
+    ]
     return {
         "shape": shape.label,
         "unchecked_us": min(off, off2),

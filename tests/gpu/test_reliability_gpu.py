@@ -104,6 +104,56 @@ def test_bound_op_refuses_too_many_tokens_and_unknown_micro_batch():
     assert unchanged(before, dict(args, q_scratch=buffer)) == []
 
 
+@pytest.mark.parametrize("entry", ["function", "torch op", "bound op", "kv-only"])
+def test_out_of_range_ids_are_skipped_by_default_on_every_entry_point(entry):
+    """No flag: slots at and far past the cache's end, negative positions and positions past the
+    table are skipped (KV) or zeroed (Q) and counted; guard regions around the cache and every byte
+    the reference (which skips the same way) does not write are unchanged."""
+    d, bs, blocks, guard, h, n = 512, 64, 8, 2, 8, 48
+    g = torch.Generator(device="cuda").manual_seed(91)
+    whole = torch.randint(
+        0, 256, (blocks + 2 * guard, bs * 584), generator=g, device="cuda", dtype=torch.uint8
+    )
+    want_whole = whole.clone()
+    k_cache, want_cache = whole[guard : guard + blocks], want_whole[guard : guard + blocks]
+    q_in = torch.randn(n, h, d, generator=g, device="cuda").bfloat16()
+    kv = torch.randn(n, d, generator=g, device="cuda").bfloat16()
+    theta = torch.rand(128, 32, generator=g, device="cuda")
+    cs = torch.cat((theta.cos(), theta.sin()), 1).contiguous()
+    slots = torch.randperm(blocks * bs, generator=g, device="cuda")[:n].contiguous()
+    pos = torch.randint(0, 128, (n,), generator=g, device="cuda")
+    bad_slots = {1: blocks * bs, 4: 2**36}
+    bad_pos = {6: 128, 9: -1, 12: -(2**40)}
+    for i, v in bad_slots.items():
+        slots[i] = v
+    for i, v in bad_pos.items():
+        pos[i] = v
+    q_out = torch.full((n, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    q_src = q_in.clone()  # the bound op writes Q in place (P == H)
+    want_q = q_src.clone() if entry == "bound op" else q_out.clone()
+    err = dispatch.default_runtime().errors_buffer(q_in.device)
+    err.zero_()
+    if entry == "function":
+        ap.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs)
+    elif entry == "torch op":
+        torch.ops.attn_prologue.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs)
+    elif entry == "bound op":
+        q_out = ap.bind(num_heads=h, head_dim=d, block_size=bs)(q_in, kv, k_cache, slots, pos, cs)
+    else:
+        ap.kv_rope_insert(kv, k_cache, slots, pos, cs, bs)
+    torch.cuda.synchronize()
+    kv_rows, q_tokens = err.tolist()
+    assert kv_rows == len(bad_slots) + len(bad_pos)
+    assert q_tokens == (0 if entry == "kv-only" else len(bad_pos))
+    if entry == "kv-only":
+        reference.kv_rope_insert(kv, want_cache, slots, pos, cs, bs)
+    else:
+        reference.qnorm_rope_kv_insert(q_src, kv, want_q, want_cache, slots, pos, cs, 1e-6, bs)
+        assert torch.equal(q_out.view(torch.int16), want_q.view(torch.int16))
+        assert not q_out[list(bad_pos)].any()  # Q rows of out-of-range positions are zeros
+    assert torch.equal(whole, want_whole)  # guards, skipped rows and the written records
+
+
 def test_checked_mode_guard_regions_and_exact_count():
     """The cache is a view in the middle of a larger buffer; out-of-range slots and positions must
     leave the guard regions (and the cache) untouched apart from the valid rows."""
