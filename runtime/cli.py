@@ -214,9 +214,7 @@ def cmd_tune(args) -> int:
     env = tuning.current_environment()
     new = tune.entries(sweep, names, buckets, env, args.heads, args.padded_heads, provenance=origin)
     db_path = Path(args.db) if args.db else tuning.database_path()
-    db = tuning.TuningDatabase.load(db_path)
-    db.merge(new)
-    db.save(db_path)
+    tuning.TuningDatabase.merge_into(db_path, new)
     print(f"\n{'variant':44} {'T':>6} {'best config':>16} {'us':>9} {'default us':>10} {'gain':>6}")
     for e in new:
         d = sweep.timings.get((e["variant"], e["bucket"], default.key), float("inf"))

@@ -16,10 +16,15 @@ import importlib.metadata
 import json
 import math
 import os
+import re
+import stat
+import tempfile
 import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+from filelock import FileLock
 
 from .jit import compiler
 from .launch import LaunchConfig
@@ -28,6 +33,9 @@ ENV_DB = "ATTN_PROLOGUE_TUNING_DB"
 DB_FORMAT = 1
 MATCH_FIELDS = ("gpu", "sms", "capability", "package", "dsl")
 DEFAULT_HEADS = 64  # entries that do not say
+MAX_DB_BYTES = 16 << 20  # the shipped database is ~60 KB; a bigger file is not a database
+MAX_ENTRIES = 100_000
+_CAPABILITY = re.compile(r"\d{1,2}\.\d{1,2}")
 
 
 class TuningDatabaseWarning(UserWarning):
@@ -98,31 +106,75 @@ class TuningDatabase:
     # ---- persistence -------------------------------------------------------------------------
     @classmethod
     def load(cls, path: Path) -> TuningDatabase:
-        """Read a database; a missing file is empty, a corrupt one is reported and treated as empty."""
+        """Read a database. A missing file is empty; a file that is not a regular file, too large, or
+        not a database is reported and treated as empty; an entry that does not validate is reported
+        and skipped, and the others are used."""
         path = Path(path)
-        if not path.exists():
+        try:
+            text = _read_regular(path, MAX_DB_BYTES)
+        except FileNotFoundError:
+            return cls([], path)
+        except (OSError, ValueError) as exc:
+            warnings.warn(f"tuning database {path} was ignored: {exc}", TuningDatabaseWarning)
             return cls([], path)
         try:
-            data = json.loads(path.read_text())
-            if data.get("format") != DB_FORMAT or not isinstance(data.get("entries"), list):
-                raise ValueError(f"unknown format {data.get('format')!r}")
-            for e in data["entries"]:
-                LaunchConfig.from_key(e["config"])
-                int(e["bucket"])
-                str(e["variant"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            data = json.loads(text, parse_constant=_no_constants)
+            if (
+                not isinstance(data, dict)
+                or data.get("format") != DB_FORMAT
+                or not isinstance(data.get("entries"), list)
+            ):
+                raise ValueError(
+                    f"unknown format {data.get('format') if isinstance(data, dict) else type(data).__name__!r}"
+                )
+        except (ValueError, RecursionError) as exc:
             warnings.warn(f"tuning database {path} is corrupt and was ignored: {exc}", TuningDatabaseWarning)
             return cls([], path)
-        return cls(data["entries"], path)
+        entries, bad = [], []
+        for i, e in enumerate(data["entries"][:MAX_ENTRIES]):
+            why = entry_problem(e)
+            if why is None:
+                entries.append(e)
+            else:
+                bad.append(f"entry {i}: {why}")
+        if len(data["entries"]) > MAX_ENTRIES:
+            bad.append(f"{len(data['entries']) - MAX_ENTRIES} entries past the first {MAX_ENTRIES}")
+        if bad:
+            shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+            warnings.warn(
+                f"tuning database {path}: skipped {len(bad)} invalid entries, using the other {len(entries)} ({shown})",
+                TuningDatabaseWarning,
+            )
+        return cls(entries, path)
 
     def save(self, path: Path | None = None) -> Path:
+        """Write the database atomically (a unique temporary file, then a rename): a reader sees the
+        old file or the new one, never part of one."""
         path = Path(path or self.path)
         path.parent.mkdir(parents=True, exist_ok=True)
         entries = sorted(self.entries, key=lambda e: (e["gpu"], e["variant"], e["bucket"]))
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"format": DB_FORMAT, "entries": entries}, indent=1, sort_keys=True) + "\n")
-        tmp.replace(path)
+        text = json.dumps({"format": DB_FORMAT, "entries": entries}, indent=1, sort_keys=True) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return path
+
+    @classmethod
+    def merge_into(cls, path: Path, new_entries: list[dict], timeout: float = 120) -> TuningDatabase:
+        """Load, merge and save under a file lock, so concurrent writers (two `tune` runs) each keep
+        the other's entries."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock", timeout=timeout):
+            db = cls.load(path)
+            db.merge(new_entries)
+            db.save(path)
+        return db
 
     def merge(self, new_entries: list[dict]) -> None:
         """New entries replace old ones with the same environment, variant, bucket and head counts."""
@@ -159,7 +211,7 @@ class TuningDatabase:
                 mismatched.add((e.get("gpu"), tuple(diff)))
                 continue
             heads = int(e.get("heads", DEFAULT_HEADS))
-            shape = (heads, int(e.get("padded_heads", heads)))
+            shape = (heads, int(e.get("padded_heads", heads)))  # (validated on load: positive ints)
             table.setdefault((e["variant"], int(e["bucket"])), {})[shape] = LaunchConfig.from_key(e["config"])
         if mismatched and not table:
             warnings.warn(
@@ -169,6 +221,52 @@ class TuningDatabase:
                 TuningDatabaseWarning,
             )
         return table
+
+
+def entry_problem(e) -> str | None:
+    """Why an entry cannot be used (None: it can)."""
+    if not isinstance(e, dict):
+        return f"not an object ({type(e).__name__})"
+    for field, kind in (
+        ("gpu", str),
+        ("variant", str),
+        ("config", str),
+        ("capability", str),
+        ("package", str),
+        ("dsl", str),
+    ):
+        if not isinstance(e.get(field), kind):
+            return f"{field} must be a string, got {e.get(field)!r}"
+    for field in ("bucket", "sms", "heads", "padded_heads"):
+        value = e.get(field, 1 if field in ("heads", "padded_heads") else None)  # head counts may be absent
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= 1 << 20:
+            return f"{field} must be a positive integer, got {value!r}"
+    if e.get("bucket") & (e.get("bucket") - 1):
+        return f"bucket must be a power of two, got {e['bucket']}"
+    if not _CAPABILITY.fullmatch(e["capability"]):
+        return f"capability must look like 9.0, got {e['capability']!r}"
+    try:
+        LaunchConfig.from_key(e["config"])
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not a valid number in a tuning database")
+
+
+def _read_regular(path: Path, limit: int) -> str:
+    """The text of a regular file of at most `limit` bytes (a FIFO or device is refused unopened:
+    reading one would block)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{st.st_size} bytes, more than the {limit} a tuning database may have")
+        return f.read(limit + 1).decode()
 
 
 def pick(

@@ -3,6 +3,9 @@ database (round trip, merge, mismatch and corruption), and the config heuristic,
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import attn_prologue as ap
 import pytest
@@ -314,3 +317,86 @@ def test_shipped_database_loads_and_names_valid_configs():
     for e in db.entries:
         assert e["variant"] in registry.VARIANTS
         LaunchConfig.from_key(e["config"])
+
+
+# ---- tuning database: hostile files ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "bad,why",
+    [
+        ({"heads": 0}, "heads must be a positive integer"),
+        ({"heads": -4}, "heads must be a positive integer"),
+        ({"bucket": 3}, "power of two"),
+        ({"bucket": True}, "bucket must be a positive integer"),
+        ({"capability": "nine"}, "capability must look like 9.0"),
+        ({"config": "w3"}, "not a launch-config key"),
+        ({"variant": ["x"]}, "variant must be a string"),
+        ({"sms": None}, "sms must be a positive integer"),
+    ],
+)
+def test_one_bad_entry_is_skipped_and_the_rest_are_used(tmp_path, bad, why):
+    good = [entry(1, "w2_u1_pdl1_nc1"), entry(64, "w8_u1_pdl1_nc1")]
+    path = tmp_path / "db.json"
+    path.write_text(
+        json.dumps({"format": tuning.DB_FORMAT, "entries": [*good, {**entry(2, "w4_u1_pdl1_nc1"), **bad}]})
+    )
+    with pytest.warns(
+        tuning.TuningDatabaseWarning, match=f"skipped 1 invalid entries, using the other 2.*{why}"
+    ):
+        db = tuning.TuningDatabase.load(path)
+    assert db.entries == good
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"format": 1, "entries": [{"bucket": Infinity}]}',
+        '{"format": 1, "entries": [{"us": NaN}]}',
+        "[" * 100_000 + "]" * 100_000,
+        "[]",
+        "null",
+    ],
+)
+def test_a_database_that_is_not_one_is_ignored_not_a_crash(tmp_path, text):
+    path = tmp_path / "db.json"
+    path.write_text(text)
+    with pytest.warns(tuning.TuningDatabaseWarning):
+        assert tuning.TuningDatabase.load(path).entries == []
+
+
+def test_a_fifo_or_huge_file_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.warns(tuning.TuningDatabaseWarning, match="not a regular file"):
+        assert tuning.TuningDatabase.load(fifo).entries == []
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(tuning.MAX_DB_BYTES + 1)
+    with pytest.warns(tuning.TuningDatabaseWarning, match="more than"):
+        assert tuning.TuningDatabase.load(big).entries == []
+
+
+def test_concurrent_writers_keep_every_merge_and_readers_never_see_a_partial_file(tmp_path):
+    path = tmp_path / "db.json"
+    tuning.TuningDatabase([]).save(path)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", MERGER, str(path), str(w)], stderr=subprocess.PIPE, text=True)
+        for w in range(4)
+    ]
+    partial = 0
+    while any(p.poll() is None for p in procs):
+        data = json.loads(path.read_text())  # raises on a partial file
+        partial += not isinstance(data.get("entries"), list)
+    for p in procs:
+        assert p.wait() == 0, p.stderr.read()
+    entries = tuning.TuningDatabase.load(path).entries
+    assert partial == 0 and len(entries) == 4 * 25  # no merge lost
+
+
+MERGER = r"""
+import sys
+from attn_prologue import tuning
+env = tuning.Environment(gpu="NVIDIA H200", sms=132, capability="9.0", driver="", package="0.1.0", dsl="abc")
+for i in range(25):
+    e = {**env.as_dict(), "variant": f"v{sys.argv[2]}_{i}", "bucket": 1, "config": "w4_u1_pdl1_nc1", "us": 1.0}
+    tuning.TuningDatabase.merge_into(sys.argv[1], [e])
+"""
