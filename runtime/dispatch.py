@@ -81,6 +81,7 @@ class Runtime:
         self._errors: dict[int, torch.Tensor] = {}
         self._launchers: dict[tuple, Launcher] = {}
         self._variants: dict[tuple, Variant] = {}
+        self._arenas: dict[int, selftest.Arena] = {}
         self._lock = threading.RLock()
         self.calls: dict[tuple, object] = {}  # per-shape fast paths of the one-call functions (ops.py)
 
@@ -120,11 +121,30 @@ class Runtime:
                 self._variants[key] = v
         return v
 
+    def prepare(self, device: torch.device | int | None = None) -> None:
+        """Allocate what first use on a device needs (error counters, the self-test arena), so a bind
+        after ScratchPool.lock() allocates nothing. ScratchPool.reserve calls it."""
+        index = _index(device)
+        self.errors_buffer(index)
+        if index not in self._arenas:
+            self._arenas[index] = selftest.Arena(torch.device("cuda", index))
+
     def _self_tested(self, v: Variant, fallback: Variant, facts: DeviceFacts) -> Variant:
         use = self.selftests.lookup(facts.selftest_key, v, fallback)
         if use is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise selftest.SelfTestError(
+                    f"{v.name} is used for the first time on this machine inside a CUDA graph capture, where "
+                    "its first-use self-test cannot run: call the op (or bind it) once before capturing"
+                )
+            self.prepare(facts.index)
             launcher = self.launcher(v, facts.arch.default_config, facts.index)
-            ok, detail = selftest.run(launcher, self.errors_buffer(facts.index))
+            try:
+                ok, detail = selftest.run(
+                    launcher, self.errors_buffer(facts.index), self._arenas[facts.index]
+                )
+            except Exception as exc:  # a native path that cannot even run: report it, use the fallback
+                ok, detail = False, f"the self-test raised {type(exc).__name__}: {exc}"
             use = v if ok else fallback
             if not ok:
                 selftest.warn_failed(v, fallback, facts.selftest_key, detail)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .dispatch import Runtime, default_runtime
 from .errors import ScratchError
 
 
@@ -64,8 +65,11 @@ class ScratchPool:
         dtype: torch.dtype = torch.bfloat16,
         micro_batches: int = 2,
         device=None,
+        runtime: Runtime | None = None,
     ) -> int:
-        """Allocate (zeroed) buffers for `micro_batches` micro-batches; returns the bytes added."""
+        """Allocate (zeroed) buffers for `micro_batches` micro-batches; returns the bytes added. On a
+        CUDA device it also has the runtime make what a first bind there needs (error counters, the
+        self-test's buffers, under 2 MB), so binds after lock() allocate nothing."""
         if max_tokens <= 0 or padded_heads <= 0 or head_dim <= 0 or micro_batches <= 0:
             raise ScratchError(
                 f"reserve needs positive sizes, got max_tokens={max_tokens}, padded_heads={padded_heads}, "
@@ -75,6 +79,9 @@ class ScratchPool:
         with self._lock:
             if self._locked:
                 raise ScratchError("the scratch pool is locked: reserve everything before lock()")
+            dev = self._key(device, 0, dtype, padded_heads, head_dim)[0]
+            if dev.type == "cuda":
+                (runtime or default_runtime()).prepare(dev)
             for mb in range(micro_batches):
                 key = self._key(device, mb, dtype, padded_heads, head_dim)
                 buf = self._buffers.get(key)

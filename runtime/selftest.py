@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 
 from . import reference
+from .errors import AttnPrologueError
+from .formats import FORMATS
 from .jit import compiler
 from .launcher import Launcher
 from .variants import Op, QOut, Variant
@@ -120,73 +122,141 @@ def warn_failed(v: Variant, fallback: Variant, env: str, detail: str) -> None:
     )
 
 
-def run(launcher: Launcher, errors: torch.Tensor) -> tuple[bool, str]:
-    """Run the launcher's kernel on a few random tokens and compare bytes with the reference."""
+class SelfTestError(AttnPrologueError, RuntimeError):
+    """A self-test could not run where it has to (e.g. the first use is inside a CUDA graph capture)."""
+
+
+# The inputs' sizes: a few tokens, heads and pads, 4 pages of 16 tokens, a 64-position table.
+ROWS, HEADS, PADDED, BLOCK, BLOCKS, MAX_POS = 32, 4, 8, 16, 4, 64
+
+
+class Arena:
+    """The device buffers a self-test runs on, allocated once per device (ScratchPool.reserve makes
+    them before the pool is locked): running a self-test then allocates nothing on the GPU (inputs
+    are made on the CPU and copied in, outputs copied out, the reference runs on the CPU)."""
+
+    def __init__(self, device: torch.device):
+        max_bytes = max(
+            f.bytes_per_token(512 if f.head_dim is None else f.head_dim) for f in FORMATS.values()
+        )
+        self.q_in = torch.empty(ROWS * HEADS * 512 * 2, dtype=torch.uint8, device=device)
+        self.kv = torch.empty(ROWS * 512 * 2, dtype=torch.uint8, device=device)
+        self.q_out = torch.empty(ROWS * PADDED * 512 * 2, dtype=torch.uint8, device=device)
+        self.k_cache = torch.empty(BLOCKS * BLOCK * max_bytes, dtype=torch.uint8, device=device)
+        self.small = torch.empty(ROWS * 2 + MAX_POS * 64 + 512 + 2, dtype=torch.float32, device=device)
+        self.ids = torch.empty(2 * ROWS, dtype=torch.int64, device=device)
+
+
+def edge_rows(d: int) -> torch.Tensor:
+    """Deterministic rows that sit on the conversions' edges, in the first 64 dims (NoPE dims in
+    every format): zeros, denormals, values below the amax floor, an exact UE8M0 power-of-two
+    boundary and just past it, every E2M1 tie (block amax 6, so the block scale is 1), +-Inf, NaN."""
+    rows = torch.zeros(8, d)
+    rows[1, :64] = torch.arange(1, 65) * 2.0**-133  # bf16/fp16 subnormals (flushed or kept: both pinned)
+    rows[2, :64] = torch.linspace(-3e-5, 3e-5, 64)  # amax below the 1e-4 floor
+    rows[3, :64] = 56.0 * torch.tensor([1.0, -0.5, 0.25, -0.125] * 16)  # amax / 448 = 2^-3 exactly
+    rows[4, :64] = rows[3, :64]
+    rows[4, 0] = 56.25  # the smallest bf16 past the boundary: the next exponent
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    rows[5, :64] = torch.cat((ties, -ties)).repeat(4)
+    rows[6, :64] = torch.linspace(-2, 2, 64)
+    rows[6, 3], rows[6, 40] = float("inf"), float("-inf")
+    rows[7, :64] = torch.linspace(-2, 2, 64)
+    rows[7, 5] = float("nan")
+    return rows
+
+
+def run(launcher: Launcher, errors: torch.Tensor, arena: Arena) -> tuple[bool, str]:
+    """Run the launcher's kernel on random rows and the edge rows, compare every output byte with
+    the reference on the CPU. Allocates nothing on the GPU beyond `arena`."""
     v = launcher.variant
-    device = torch.device("cuda", launcher.device_index)
     fmt = v.format
-    g = torch.Generator(device=device).manual_seed(20261129)
+    g = torch.Generator().manual_seed(20261129)
     dt = v.io_dtype.torch_dtype
-    n, h, p, d, bs = 9, 4, 8, v.head_dim, 16
-    q_in = torch.randn(n, h, d, generator=g, device=device).to(dt)
-    kv = torch.randn(n, d, generator=g, device=device).to(dt)
+    n, h, p, d, r, bs = ROWS, HEADS, PADDED, v.head_dim, v.rope_dim, BLOCK
+    edges = edge_rows(d)
+    kv = torch.randn(n, d, generator=g)
     kv[1] *= 1e-3  # a small-amax block and a large one
     kv[2] *= 50
-    theta = torch.rand(64, v.rope_dim // 2, generator=g, device=device) * 6.28
+    kv[-len(edges) :] = edges
+    q_in = torch.randn(n, h, d, generator=g)
+    q_in[-len(edges) :, 0] = torch.nan_to_num(edges, nan=0.0, posinf=7.0, neginf=-7.0)  # Q rows stay finite
+    theta = torch.rand(MAX_POS, r // 2, generator=g) * 6.28
     cs = torch.cat((theta.cos(), theta.sin()), 1).contiguous()
-    pos = torch.randint(0, 64, (n,), generator=g, device=device)
-    slots = torch.randperm(4 * bs, generator=g, device=device)[:n].contiguous()
+    pos = torch.randint(0, MAX_POS, (n,), generator=g)
+    slots = torch.randperm(BLOCKS * bs, generator=g)[:n].contiguous()
     slots[3] = -1
-    cache = torch.randint(
-        0, 256, (4, bs * fmt.bytes_per_token(d)), generator=g, device=device, dtype=torch.uint8
+    page = bs * fmt.bytes_per_token(d)
+    cache = torch.randint(0, 256, (BLOCKS, page), generator=g, dtype=torch.uint8)
+    weight = (torch.rand(d, generator=g) + 0.5).to(dt) if v.op is Op.KV_NORM else None
+    kv_scale = torch.tensor([0.02]) if fmt.needs_tensor_scale else None
+    q_scale = torch.tensor([0.05]) if v.q_out is QOut.FP8 else None
+    q8 = q_scale is not None
+    q_out = (
+        torch.full((n, p, d), 0x55, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        if q8
+        else torch.full((n, p, d), 7.0).to(dt)
     )
-    kv_scale = torch.tensor([0.02], device=device) if fmt.needs_tensor_scale else None
-    q_scale = torch.tensor([0.05], device=device) if v.q_out is QOut.FP8 else None
-    weight = (torch.rand(d, generator=g, device=device) + 0.5).to(dt) if v.op is Op.KV_NORM else None
-    out_dtype = torch.uint8 if q_scale is not None else dt
-    q_out = torch.full((n, p, d), 0x55 if q_scale is not None else 7, dtype=out_dtype, device=device)
-    got_cache, got_q = cache.clone(), q_out.clone()
-    want_cache, want_q = cache.clone(), q_out.clone()
-    values = dict(
-        q_in=q_in, kv=kv, q_out=got_q, norm_weight=weight, k_cache=got_cache, slot_mapping=slots, positions=pos,
-        cos_sin_cache=cs, kv_scale=kv_scale, q_scale=q_scale, errors=errors, eps=1e-6, block_size=bs,
-        n_write_heads=p, checked=0,
-    )  # fmt: skip
-    launcher(**{k: values[k] for k in launcher.arguments if k in values})
+    host = dict(q_in=q_in.to(dt), kv=kv.to(dt), cos_sin_cache=cs, positions=pos, slot_mapping=slots, k_cache=cache,
+                q_out=q_out, norm_weight=weight, kv_scale=kv_scale, q_scale=q_scale)  # fmt: skip
+    dev = _place(arena, host, v)
+    values = dict(dev, errors=errors, eps=1e-6, block_size=bs, n_write_heads=p, checked=1)
+    if q8:
+        values["q_out"] = dev["q_out"].view(torch.uint8)
+    launcher(**{k: values[k] for k in launcher.arguments})
+    got_cache, got_q = dev["k_cache"].cpu(), dev["q_out"].cpu()
+    want = {k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in host.items()}
     if v.op is Op.QKV:
-        wq = want_q.view(torch.float8_e4m3fn) if q_scale is not None else want_q
         reference.qnorm_rope_kv_insert(
-            q_in,
-            kv,
-            wq,
-            want_cache,
-            slots,
-            pos,
-            cs,
-            1e-6,
-            bs,
-            v.cache_format,
-            kv_scale=kv_scale,
-            q_scale=q_scale,
-        )
+            want["q_in"], want["kv"], want["q_out"], want["k_cache"], slots, pos, cs, 1e-6, bs, v.cache_format,
+            kv_scale=kv_scale, q_scale=q_scale,
+        )  # fmt: skip
     else:
         reference.kv_rope_insert(
-            kv,
-            want_cache,
-            slots,
-            pos,
-            cs,
-            bs,
-            v.cache_format,
-            norm_weight=weight,
-            eps=1e-6,
+            want["kv"], want["k_cache"], slots, pos, cs, bs, v.cache_format, norm_weight=weight, eps=1e-6,
             kv_scale=kv_scale,
-        )
-    torch.cuda.synchronize(device)
+        )  # fmt: skip
     if os.environ.get(ENV_FAULT):
         got_cache.view(-1)[got_cache.numel() // 2] ^= 0x10  # injected fault
-    bad_cache = int((got_cache != want_cache).sum())
-    bad_q = int((got_q.view(torch.uint8) != want_q.view(torch.uint8)).sum()) if v.op is Op.QKV else 0
+    bad_cache = int((got_cache != want["k_cache"]).sum())
+    bad_q = int((got_q.view(torch.uint8) != want["q_out"].view(torch.uint8)).sum()) if v.op is Op.QKV else 0
     if bad_cache or bad_q:
         return False, f"{bad_cache} cache bytes and {bad_q} q_out bytes differ from the reference"
-    return True, "bit-exact against the reference"
+    return True, f"bit-exact against the reference ({n} rows, {len(edges)} of them edge cases)"
+
+
+def _place(arena: Arena, host: dict, v: Variant) -> dict:
+    """Copy the host inputs into views of the arena (no allocation) and return those views."""
+    out = {}
+    small = iter_views(arena.small)
+    ids = iter_views(arena.ids)
+    for name, t in host.items():
+        if t is None:
+            out[name] = None
+            continue
+        if name in ("q_in", "kv", "q_out", "k_cache"):
+            raw = getattr(arena, name)
+            view = raw[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        elif t.dtype == torch.int64:
+            view = ids(t.numel()).view(t.shape)
+        else:
+            view = small(t.numel()).view(t.dtype).view(t.shape) if t.dtype == torch.float32 else None
+            if view is None:  # the norm weight: io dtype, taken from the float32 area's bytes
+                view = small((t.numel() + 1) // 2).view(t.dtype)[: t.numel()].view(t.shape)
+        view.copy_(t)
+        out[name] = view
+    return out
+
+
+def iter_views(buf: torch.Tensor):
+    """Consecutive, 16-byte aligned slices of buf."""
+    start = 0
+    align = max(1, 16 // buf.element_size())
+
+    def take(count: int) -> torch.Tensor:
+        nonlocal start
+        view = buf[start : start + count]
+        start += (count + align - 1) // align * align
+        return view
+
+    return take
