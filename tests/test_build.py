@@ -531,10 +531,7 @@ def test_full_build_graph_is_complete(tmp_path):
         len(keys)
         == len({(k.variant, k.target, k.config.key) for _, k in keys})
         == 352
-        + sum(
-            len(cs - {parse_name(v).arch.default_config})
-            for (v, _), cs in build.tuned_configs().items()
-        )
+        + sum(len(cs - {parse_name(v).arch.default_config}) for (v, _), cs in build.tuned_configs().items())
     )
     build.write_graph(KernelCache(root), keys, root / "build" / "build.ninja")
     edges = _check_graph(root, keys)
