@@ -1,4 +1,5 @@
-"""Per-arch facts the templates render into launch defaults, with where each number comes from.
+"""Per-arch facts behind each family's launch defaults (ArchFamily.default_config), with where each
+number comes from. Nothing renders them: the defaults are run-time choices, not generated code.
 
 Bytes per clock per SM = DRAM bandwidth / (SM clock x SM count): how much of the memory system
 one SM's share is. Little's law gives the bytes each SM must keep in flight to saturate DRAM:

@@ -90,7 +90,6 @@ def make_plan(v: Variant) -> dict:
         "quant_vectors": nq // VEC,
         "has_tail": tail > 0,
         "quant_block": f.quant_block,
-        "lanes_per_block": f.quant_block // VEC if f.quant_block else 0,
         "num_scales": f.num_scales(d),
         "scale_pad": f.scale_pad_bytes,
         "amax_floor": repr(f.amax_floor),
@@ -102,7 +101,6 @@ def make_plan(v: Variant) -> dict:
         "needs_e2m1": f.element is ElementCode.E2M1,
         "signature": sig,
         "shared_symbols": {TOKENS: "cute.sym_int32()"} if v.op is Op.QKV else {},
-        "arguments": tuple(a.name for a in sig),
     }
 
 

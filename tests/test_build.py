@@ -72,6 +72,12 @@ def test_build_covers_every_axis_on_every_target():
     }
 
 
+def test_compile_entry_refuses_a_target_the_variant_name_does_not_claim(tmp_path):
+    with pytest.raises(compiler.CompileError, match="is built for sm_90a, not sm_100a"):
+        compiler.compile_entry("kv_d512r64_bf16_bf16_sm90", LaunchConfig(), "sm_100a", tmp_path / "entry")
+    assert not (tmp_path / "entry").exists()  # refused before anything was compiled
+
+
 # ---- the session's build ---------------------------------------------------------------------------
 @dataclass
 class Built:

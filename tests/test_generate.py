@@ -3,10 +3,13 @@ variant space. Nothing here compiles a kernel, and the real generated/ is never 
 
 from __future__ import annotations
 
+import ast
 import collections
 import dataclasses
 import enum
+import inspect
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -490,11 +493,10 @@ def test_environment_uses_strict_undefined():
 def test_real_templates_fail_on_a_missing_variable():
     env = render.environment()
     v = BASES[0]
-    from attn_prologue.codegen.archs import ARCH_SPECS
     from attn_prologue.codegen.plan import describe, make_plan
 
     kernel = env.get_template("kernel.py.jinja")
-    full = dict(v=v, plan=make_plan(v), spec=ARCH_SPECS[v.arch.value], description=describe(v))
+    full = dict(v=v, plan=make_plan(v), description=describe(v))
     assert kernel.render(**full)  # the complete set renders
     for missing in full:
         with pytest.raises(jinja2.UndefinedError):
@@ -503,3 +505,80 @@ def test_real_templates_fail_on_a_missing_variable():
     plan.pop("needs_e2m1")
     with pytest.raises(jinja2.UndefinedError):
         kernel.render(**{**full, "plan": plan})
+
+
+# ---- what a generated module holds -------------------------------------------------------------
+COMPILER_READS = {"Kernel", "fake_arguments"}  # all that jit.compiler takes from a module
+MAX_DEVICE_PARAMETERS = 8  # per device function, self excluded; per-launch values travel in bundles
+
+
+def _modules() -> list[tuple[str, ast.Module]]:
+    return [(n, ast.parse((GENERATED / "kernels" / f"{n}.py").read_text())) for n in registry.VARIANTS]
+
+
+def test_compiler_reads_only_kernel_and_fake_arguments():
+    assert set(re.findall(r"\bmod\.(\w+)", inspect.getsource(compiler))) == COMPILER_READS
+
+
+def _module_level_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_generated_modules_define_only_what_is_read():
+    """Every module-level name (constant, function, class, import) is read by the module's code or
+    by the compiler: no identity constants, no copies of the launch defaults, no dead helpers."""
+    for name, tree in _modules():
+        read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        unread = _module_level_names(tree) - read - COMPILER_READS
+        assert not unread, f"{name}: {sorted(unread)} defined but never read"
+
+
+def _is_device_function(f: ast.FunctionDef) -> bool:
+    return any(ast.unparse(d) in ("cute.jit", "cute.kernel") for d in f.decorator_list)
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef:
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _fields(tree: ast.Module, name: str) -> list[str]:
+    return [n.target.id for n in _class(tree, name).body if isinstance(n, ast.AnnAssign)]
+
+
+def test_device_functions_take_bundles_not_long_parameter_lists():
+    """Only `Kernel.__call__` (the exported function: `Variant.arguments`, then the stream) takes the
+    arguments one by one; it hands them to the device code as an Arguments and a Schedule bundle,
+    built from its own names in field order."""
+    for name, tree in _modules():
+        v = parse_name(name)
+        methods = [f for f in _class(tree, "Kernel").body if isinstance(f, ast.FunctionDef)]
+        device = [f for f in methods if _is_device_function(f)]
+        assert {f.name for f in device} >= {"__call__", "kernel", "one_pass", "kv_pass"}, name
+        for f in device:
+            params = [a.arg for a in f.args.args[1:]]  # self excluded
+            if f.name == "__call__":
+                assert params == [*v.arguments, "stream"], name
+            else:
+                assert len(params) <= MAX_DEVICE_PARAMETERS, (name, f.name, params)
+        assert _fields(tree, "Arguments") == list(v.arguments), name
+        call = next(f for f in device if f.name == "__call__")
+        for bundle in ("Arguments", "Schedule"):
+            built = [
+                n
+                for n in ast.walk(call)
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == bundle
+            ]
+            assert len(built) == 1 and not built[0].keywords, (name, bundle)
+            assert [ast.unparse(a) for a in built[0].args] == _fields(tree, bundle), (name, bundle)
+        kernel = next(f for f in device if f.name == "kernel")
+        assert [ast.unparse(a.annotation) for a in kernel.args.args[1:]] == ["Arguments", "Schedule"], name

@@ -1,10 +1,11 @@
 """What runs on the H200 (SM90) is what runs on SM100 and SM120, except in declared places.
 
 For every (op, q_out, D, format, dtype), the generated SM120, SM100 and *_portable modules may
-differ from the SM90 module only inside the arch-specific regions: the conversions block, the
-launch-defaults block and the identity lines (VARIANT, ARCH_FAMILY, CONVERSIONS, TARGETS and the
-docstring lines naming the variant and the arch). Everything else must be byte-identical, so
-correctness and performance results measured on SM90 carry over.
+differ from the SM90 module only inside the arch-specific regions: the conversions block (only in
+modules of formats that use a UE8M0 or E2M1 conversion) and the docstring lines naming the variant
+and the arch. Everything else must be byte-identical, so correctness and performance results
+measured on SM90 carry over. Launch defaults are not in the modules: they are run-time choices
+(attn_prologue.variants.ArchFamily.default_config, explained in codegen/archs.py).
 """
 
 from __future__ import annotations
@@ -17,22 +18,14 @@ import sys
 import pytest
 from attn_prologue.codegen import generate
 from attn_prologue.codegen.variants import variant_space
-from attn_prologue.variants import ArchFamily
+from attn_prologue.variants import ArchFamily, parse_name
 
 KERNELS = generate.default_out_dir() / "kernels"
 
-BLOCKS = {
+BLOCKS = {  # label -> (first line, last line); present only where the variant's format needs it
     "conversions": (re.compile(r"^# ---- conversions: "), re.compile(r"^# ---- end conversions ")),
-    "launch defaults": (
-        re.compile(r"^# ---- launch defaults: "),
-        re.compile(r"^# ---- end launch defaults "),
-    ),
 }
 IDENTITY_LINES = {  # name -> pattern of the whole line; each must occur exactly once
-    "VARIANT": re.compile(r'^VARIANT = "[a-z0-9_]+"$'),
-    "ARCH_FAMILY": re.compile(r'^ARCH_FAMILY = "sm\d+"$'),
-    "CONVERSIONS": re.compile(r'^CONVERSIONS = "(native|portable)"$'),
-    "TARGETS": re.compile(r"^TARGETS = \(('sm_\d+a',\s*)+('sm_\d+a')?\)$"),
     "docstring arch line": re.compile(
         r"^Arch family sm\d+ \(targets [sm_0-9a, ]+\), (native|portable) conversions\.$"
     ),
@@ -72,9 +65,13 @@ def split_regions(name: str) -> tuple[str, dict[str, str]]:
         assert len(hits) == 1, f"{name}: expected one {label} line, found {len(hits)}"
         regions[label] = lines[hits[0]]
         lines[hits[0]] = f"<{label}>"
+    uses_conversions = parse_name(name).uses_arch_conversions
     for label, (begin, end) in BLOCKS.items():
         b = [i for i, line in enumerate(lines) if begin.match(line)]
         e = [i for i, line in enumerate(lines) if end.match(line)]
+        if not uses_conversions:  # nothing would call them: the module has none
+            assert b == e == [], f"{name}: a {label} block its format does not use"
+            continue
         assert len(b) == 1 and len(e) == 1 and b[0] < e[0], f"{name}: the {label} block is not delimited once"
         regions[label] = "\n".join(lines[b[0] : e[0] + 1])
         lines[b[0] : e[0] + 1] = [f"<{label}>"]
@@ -123,18 +120,16 @@ def test_module_equals_sm90_outside_arch_regions(shape, other):
     _assert_same_outside_regions(sm90, name)
     _, r90 = split_regions(sm90)
     _, r = split_regions(name)
-    assert r["VARIANT"] == f'VARIANT = "{name}"'
-    assert r["ARCH_FAMILY"] == f'ARCH_FAMILY = "{other[0]}"'
-    assert r["CONVERSIONS"] == f'CONVERSIONS = "{other[1]}"'
-    assert r["TARGETS"] == f"TARGETS = {ArchFamily(other[0]).targets}"
-    assert f"launch defaults: {other[0]} " in r["launch defaults"]
-    if other[1] == "portable":
-        # a portable module runs exactly the SM90 conversions, under its own arch's launch defaults
-        assert r["conversions"] == r90["conversions"]
-        _, native = split_regions(mods[(other[0], "native")])
-        assert r["launch defaults"] == native["launch defaults"]
-    elif shape[4] in ("bf16", "fp8_tensor"):
-        # no UE8M0/E2M1 conversion is used, so no portable module exists; the block is still native
+    v = parse_name(name)
+    targets = ", ".join(ArchFamily(other[0]).targets)
+    assert r["docstring arch line"] == f"Arch family {other[0]} (targets {targets}), {other[1]} conversions."
+    if not v.uses_arch_conversions:
+        # bf16 / fp8_tensor: no UE8M0/E2M1 conversion, so no conversions block and no portable module
+        assert "conversions" not in r and "conversions" not in r90
+        assert other[1] == "native"
+    elif other[1] == "portable":
+        assert r["conversions"] == r90["conversions"]  # a portable module runs exactly the SM90 conversions
+    else:
         assert "conversions: native" in r["conversions"]
 
 
@@ -155,8 +150,21 @@ def code_strings(block: str) -> str:
     )
 
 
+CONVERSION_SHAPES = [s for s in SHAPES if parse_name(MODULES[s][("sm90", "portable")]).uses_arch_conversions]
+
+
+def test_conversion_blocks_are_where_the_format_needs_them():
+    assert {s[4] for s in CONVERSION_SHAPES} == {"fp8_ds_mla", "mxfp8", "fp8_token", "mxfp4"}
+    assert len(CONVERSION_SHAPES) == 32
+    for shape in SHAPES:
+        for name in MODULES[shape].values():
+            text = _text(name)
+            assert ("# ---- conversions: " in text) == (shape in CONVERSION_SHAPES), name
+            assert ("def ue8m0_byte(" in text) == (shape in CONVERSION_SHAPES), name
+
+
 @pytest.mark.parametrize("family", ["sm120", "sm100"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "_".join(map(str, s)))
+@pytest.mark.parametrize("shape", CONVERSION_SHAPES, ids=lambda s: "_".join(map(str, s)))
 def test_native_conversions_are_the_hardware_ones(shape, family):
     mods = MODULES[shape]
     _, native = split_regions(mods[(family, "native")])

@@ -5,23 +5,14 @@ Cache format mxfp4: DeepSeek-V4 indexer keys, FP4: 64 bytes packed e2m1, 4 UE8M0
 Arch family sm120 (targets sm_120a, sm_121a), native conversions.
 """
 
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+from attn_prologue.device import kernel_lib as kl
 from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr, range_constexpr
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
-
-from attn_prologue.device import kernel_lib as kl
-
-VARIANT = "qkv_q8_d128r64_mxfp4_fp16_sm120"
-OP = "qkv"
-Q_OUT = "fp8"
-CACHE_FORMAT = "mxfp4"
-ARCH_FAMILY = "sm120"
-CONVERSIONS = "native"
-TARGETS = ('sm_120a', 'sm_121a')
-# Run-time arguments of the compiled function, in order (the stream is the current torch stream).
-ARGUMENTS = ('q_in', 'kv', 'q_out', 'k_cache', 'slot_mapping', 'positions', 'cos_sin_cache', 'q_scale', 'errors', 'eps', 'block_size', 'n_write_heads', 'checked', 'max_ctas')
 
 # ---- shapes (compile-time) --------------------------------------------------------------------
 HEAD_DIM = 128
@@ -38,10 +29,8 @@ PAD_VECTORS_PER_LANE = 8  # a pad pass zeroes 32 * this many vectors of one toke
 # ---- cache format mxfp4 (attn_prologue.formats) ------------------------------------
 DATA_BYTES = 64  # data record per token
 SCALE_BYTES = 4  # scale record per token, in the block footer after all data records
-QUANT_VECTORS = 16  # vectors [0, QUANT_VECTORS) are quantized
 QUANT_BLOCK = 32  # values per scale
-LANES_PER_BLOCK = 4
-NUM_SCALES = 4
+LANES_PER_BLOCK = QUANT_BLOCK // VEC  # lanes sharing one scale
 AMAX_FLOOR = 7.052966104933725e-38
 ELEMENT_MAX = 6.0  # largest e2m1 magnitude
 
@@ -71,23 +60,46 @@ def e2m1_pack8(y) -> Uint32:
     )
 # ---- end conversions ---------------------------------------------------------------------------
 
-# ---- launch defaults: sm120 ------------------------------------------------------------
-# SM120 has little DRAM bandwidth per SM (2.3-4.4 B/clock/SM: ~1.6-3 KB in flight per SM
-# suffices), 48 warps and 24 CTAs per SM, and 99 KB shared memory per block (unused: this kernel
-# keeps rows in registers, so shared memory never bounds occupancy). The scarce resource at
-# decode sizes is SMs busy, not bytes in flight: 2-warp CTAs spread a small batch over twice as
-# many of the 48-188 SMs; 24 CTAs x 2 warps fill the 48-warp limit where registers allow (<=
-# 42/thread; ~44 registers give ~46 warps). Streaming hints as on SM90. Untuned: no SM120 GPU
-# was available.
-# Parts: GB10 (DGX Spark) 48 SMs 2.3 B/clk/SM; RTX 5090 170 SMs 4.4 B/clk/SM; RTX PRO 6000 Blackwell 188 SMs 3.7 B/clk/SM.
-DEFAULT_CONFIG = {'warps_per_cta': 2, 'passes_per_warp': 1, 'pdl': True, 'non_coherent': True, 'ctas_per_sm': 0, 'spread_kv': False, 'streaming': True, 'min_ctas_per_sm': 0}
-# ---- end launch defaults -----------------------------------------------------------------------
+
+class Arguments(NamedTuple):
+    """`Kernel.__call__`'s run-time arguments, handed to the device code as one bundle. max_ctas
+    (a grid cap) is not read there but stays: without it the kernel's parameters shift and ptxas
+    allocates registers differently (2 more in some persistent configs)."""
+
+    q_in: cute.Tensor
+    kv: cute.Tensor
+    q_out: cute.Tensor
+    k_cache: cute.Tensor
+    slot_mapping: cute.Tensor
+    positions: cute.Tensor
+    cos_sin_cache: cute.Tensor
+    q_scale: cute.Tensor
+    errors: cute.Tensor
+    eps: Float32
+    block_size: Int32
+    n_write_heads: Int32
+    checked: Int32
+    max_ctas: Int32
+
+
+class Schedule(NamedTuple):
+    """Where one launch's passes go, computed once per launch in `Kernel.__call__`. Passes are
+    numbered KV first: [0, kv_passes) KV rows, [kv_passes, q_end) Q rows, [q_end, passes) pad zeros."""
+
+    q_heads: Int32  # H as a scalar (row -> (token, head) in 32 bits)
+    kv_passes: Int32
+    q_end: Int32
+    passes: Int32
+    pad_chunks: Int32  # pad passes per token
+    units: Int32  # a unit: the passes_per_warp passes of one warp
+    spacing: Int32  # spread_kv: KV CTA k is CTA k * spacing
 
 
 class Kernel:
-    """`Kernel(config)(*ARGUMENTS, stream)` launches config.passes_per_warp passes per warp over the
-    run-time token count. A pass is ROWS_PER_PASS rows of KV, or of live (token, head) rows of Q, or
-    (last) a run of zero vectors in one token's pad heads [H, n_write_heads)."""
+    """`Kernel(config)(*arguments, stream)` (arguments in `Variant.arguments` order) launches
+    config.passes_per_warp passes per warp over the run-time token count. A pass is ROWS_PER_PASS
+    rows of KV, or of live (token, head) rows of Q, or (last) a run of zero vectors in one token's
+    pad heads [H, n_write_heads)."""
 
     def __init__(self, config):
         self.cfg = config
@@ -116,39 +128,20 @@ class Kernel:
         kv_passes = (slot_mapping.shape[0] + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
         kv_group = per_warp * warps if const_expr(self.cfg.spread_kv) else per_warp  # a warp (spread: a CTA) never mixes KV and Q
         kv_passes = (kv_passes + (kv_group - 1)) // kv_group * kv_group
-        q_passes = (q_in.shape[0] * q_in.shape[1] + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
+        q_heads = q_in.shape[1]
+        q_passes = (q_in.shape[0] * q_heads + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
         q_end = kv_passes + (q_passes + (per_warp - 1)) // per_warp * per_warp  # a warp never mixes Q and pad passes
-        pad_vectors = cutlass.max(n_write_heads - q_in.shape[1], 0) * ROW_VECTORS  # per token
-        pad_chunks = (pad_vectors + (32 * PAD_VECTORS_PER_LANE - 1)) // (32 * PAD_VECTORS_PER_LANE)  # pad passes per token
+        pad_vectors = cutlass.max(n_write_heads - q_heads, 0) * ROW_VECTORS  # per token
+        pad_chunks = (pad_vectors + (32 * PAD_VECTORS_PER_LANE - 1)) // (32 * PAD_VECTORS_PER_LANE)
         passes = q_end + q_in.shape[0] * pad_chunks
-        units = (passes + (per_warp - 1)) // per_warp  # a unit: the passes_per_warp passes of one warp
+        units = (passes + (per_warp - 1)) // per_warp
         grid = (units + (warps - 1)) // warps
-        spacing = cutlass.max(grid // cutlass.max(kv_passes // kv_group, 1), 1)  # spread_kv: KV CTA k is CTA k * spacing
+        spacing = cutlass.max(grid // cutlass.max(kv_passes // kv_group, 1), 1)
         if const_expr(self.cfg.persistent):
             grid = cutlass.min(grid, max_ctas)  # warps then stride over the units
-        self.kernel(
-            q_in,
-            kv,
-            q_out,
-            k_cache,
-            slot_mapping,
-            positions,
-            cos_sin_cache,
-            q_scale,
-            errors,
-            eps,
-            block_size,
-            n_write_heads,
-            checked,
-            max_ctas,
-            q_in.shape[1],  # q_heads: H as a scalar argument (row -> (token, head) in 32 bits)
-            kv_passes,
-            q_end,
-            passes,
-            pad_chunks,
-            units,
-            spacing,
-        ).launch(
+        schedule = Schedule(q_heads, kv_passes, q_end, passes, pad_chunks, units, spacing)
+        args = Arguments(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, n_write_heads, checked, max_ctas)
+        self.kernel(args, schedule).launch(
             grid=[grid, 1, 1],
             block=[32 * warps, 1, 1],
             stream=stream,
@@ -159,30 +152,7 @@ class Kernel:
         )
 
     @cute.kernel
-    def kernel(
-        self,
-        q_in: cute.Tensor,
-        kv: cute.Tensor,
-        q_out: cute.Tensor,
-        k_cache: cute.Tensor,
-        slot_mapping: cute.Tensor,
-        positions: cute.Tensor,
-        cos_sin_cache: cute.Tensor,
-        q_scale: cute.Tensor,
-        errors: cute.Tensor,
-        eps: Float32,
-        block_size: Int32,
-        n_write_heads: Int32,
-        checked: Int32,
-        max_ctas: Int32,
-        q_heads: Int32,
-        kv_passes: Int32,
-        q_end: Int32,
-        passes: Int32,
-        pad_chunks: Int32,
-        units: Int32,
-        spacing: Int32,
-    ):
+    def kernel(self, args: Arguments, schedule: Schedule):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         if const_expr(self.cfg.pdl):
@@ -191,74 +161,40 @@ class Kernel:
         unit = bidx * self.cfg.warps_per_cta + tidx // 32  # this warp's unit
         if const_expr(self.cfg.persistent):
             stride = cute.arch.grid_dim()[0] * self.cfg.warps_per_cta
-            for w in cutlass.range(unit, units, stride):
-                self.one_pass(self.first_pass(w, kv_passes, spacing), lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, n_write_heads, checked, max_ctas, q_heads, kv_passes, q_end, passes, pad_chunks)
+            for w in cutlass.range(unit, schedule.units, stride):
+                self.one_pass(self.first_pass(w, schedule), lane, args, schedule)
         else:
-            self.one_pass(self.first_pass(unit, kv_passes, spacing), lane, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, n_write_heads, checked, max_ctas, q_heads, kv_passes, q_end, passes, pad_chunks)
+            self.one_pass(self.first_pass(unit, schedule), lane, args, schedule)
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def first_pass(self, w: Int32, kv_passes: Int32, spacing: Int32) -> Int32:
-        """First pass of unit w. Passes are numbered KV first ([0, kv_passes) KV, then Q); units map
-        to them in that order, or with spread_kv, whole CTAs do: KV CTA k runs as CTA k * spacing and
-        the Q CTAs fill the gaps (a CTA lives as long as its slowest warp, so KV warps stay together)."""
+    def first_pass(self, w: Int32, schedule: Schedule) -> Int32:
+        """First pass of unit w. Units map to passes in pass order, or with spread_kv, whole CTAs
+        do: KV CTA k runs as CTA k * spacing and the Q CTAs fill the gaps (a CTA lives as long as
+        its slowest warp, so KV warps stay together)."""
         u = w
         if const_expr(self.cfg.spread_kv):
             warps = self.cfg.warps_per_cta
-            kv_ctas = kv_passes // (self.cfg.passes_per_warp * warps)
+            kv_ctas = schedule.kv_passes // (self.cfg.passes_per_warp * warps)
             cta = w // warps
-            k = cta // spacing
+            k = cta // schedule.spacing
             c = kv_ctas + cta - cutlass.min(k + 1, kv_ctas)  # Q CTAs before this one: CTAs minus KV CTAs up to it
-            if (cta == k * spacing) & (k < kv_ctas):
+            if (cta == k * schedule.spacing) & (k < kv_ctas):
                 c = k
             u = c * warps + (w - cta * warps)
         return u * self.cfg.passes_per_warp
 
     @cute.jit
-    def one_pass(
-        self,
-        p: Int32,
-        lane: Int32,
-        q_in: cute.Tensor,
-        kv: cute.Tensor,
-        q_out: cute.Tensor,
-        k_cache: cute.Tensor,
-        slot_mapping: cute.Tensor,
-        positions: cute.Tensor,
-        cos_sin_cache: cute.Tensor,
-        q_scale: cute.Tensor,
-        errors: cute.Tensor,
-        eps: Float32,
-        block_size: Int32,
-        n_write_heads: Int32,
-        checked: Int32,
-        max_ctas: Int32,
-        q_heads: Int32,
-        kv_passes: Int32,
-        q_end: Int32,
-        passes: Int32,
-        pad_chunks: Int32,
-    ):
+    def one_pass(self, p: Int32, lane: Int32, args: Arguments, schedule: Schedule):
         """The passes p .. p + passes_per_warp - 1 of one warp: KV rows first (their warps are the
         slower ones: start them early, so the grid's tail is uniform Q work), then Q rows, then pads."""
-        if p < kv_passes:
-            self.kv_pass(
-                p,
-                lane,
-                kv,
-                k_cache,
-                slot_mapping,
-                positions,
-                cos_sin_cache,
-                errors,
-                block_size,
-                checked,
-            )
-        elif p < q_end:
-            self.q_pass(p - kv_passes, lane, q_in, q_out, positions, cos_sin_cache, errors, eps, q_heads, checked, q_scale)
-        elif p < passes:
-            self.pad_pass(p - q_end, lane, q_in, q_out, q_heads, n_write_heads, pad_chunks)
+        if p < schedule.kv_passes:
+            self.kv_pass(p, lane, args)
+        elif p < schedule.q_end:
+            self.q_pass(p - schedule.kv_passes, lane, args, schedule.q_heads)
+        elif p < schedule.passes:
+            self.pad_pass(p - schedule.q_end, lane, args, schedule)
 
     @cute.jit
     def load_tail_cos_sin(self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32):
@@ -283,22 +219,8 @@ class Kernel:
                 if ok & (j >= TAIL_VECTOR):
                     kl.rope_rotate(ys[s], tables[s][0], tables[s][1])
 
-
     @cute.jit
-    def q_pass(
-        self,
-        p: Int32,
-        lane: Int32,
-        q_in: cute.Tensor,
-        q_out: cute.Tensor,
-        positions: cute.Tensor,
-        cos_sin_cache: cute.Tensor,
-        errors: cute.Tensor,
-        eps: Float32,
-        q_heads: Int32,
-        checked: Int32,
-        q_scale: cute.Tensor,
-    ):
+    def q_pass(self, p: Int32, lane: Int32, args: Arguments, q_heads: Int32):
         """Rows are the (token, head) pairs of q_in (q_heads = H), head-minor. A row whose position is out of
         range in checked mode is written as zeros. All rows' loads are issued first (position and
         row, then cos/sin), then each row is finished."""
@@ -308,94 +230,82 @@ class Kernel:
             r = (p + u) * ROWS_PER_PASS + lane // LANES_PER_ROW
             t = r // q_heads
             h = r - t * q_heads
-            valid = t < q_in.shape[0]
+            valid = t < args.q_in.shape[0]
             live = valid
             position = Int64(0)
             if valid:
-                position = Int64(positions[t])
-            src = kl.base_address(q_in) + (Int64(t) * q_in.stride[0] + Int64(h) * HEAD_DIM) * 2
+                position = Int64(args.positions[t])
+            src = kl.base_address(args.q_in) + (Int64(t) * args.q_in.stride[0] + Int64(h) * HEAD_DIM) * 2
             frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
             if live:
                 for s in range_constexpr(SLOTS):
                     kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
-            if checked != 0:
-                bad = valid & ((position < 0) | (position >= cos_sin_cache.shape[0]))
+            if args.checked != 0:
+                bad = valid & ((position < 0) | (position >= args.cos_sin_cache.shape[0]))
                 if bad & (h == 0) & (sub == 0):
-                    cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(errors), Int64(4), Int32, 4), Int32(1))
+                    cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(4), Int32, 4), Int32(1))
                 live = live & cutlass.not_(bad)
-            tables = self.load_tail_cos_sin(live, position, cos_sin_cache, sub)
+            tables = self.load_tail_cos_sin(live, position, args.cos_sin_cache, sub)
             rows.append((t, h, valid, live, frags, tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
             t, h, valid, live, frags, tables = rows[u]
             xs = [f.load().to(Float32) for f in frags]
-            rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, eps)
+            rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, args.eps)
             ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
             for s in range_constexpr(SLOTS):
                 ys[s].store(xs[s] * rinv)
             self.rotate_tail(ys, tables, live, sub)
-            dst = kl.base_address(q_out) + (Int64(t) * q_out.stride[0] + Int64(h) * HEAD_DIM) * 1
+            dst = kl.base_address(args.q_out) + (Int64(t) * args.q_out.stride[0] + Int64(h) * HEAD_DIM) * 1
             if valid:
                 for s in range_constexpr(SLOTS):
                     offset = Int64((s * LANES_PER_ROW + sub) * VEC * 1)
-                    out = kl.e4m3_vector(ys[s].load() / q_scale[0])  # e4m3(q / scale), saturating
+                    out = kl.e4m3_vector(ys[s].load() / args.q_scale[0])  # e4m3(q / scale), saturating
                     if not live:
                         out.fill(0)
                     kl.store_vector(out, dst, offset, cutlass.Float8E4M3FN, 8, self.cfg.streaming)
 
     @cute.jit
-    def pad_pass(self, p: Int32, lane: Int32, q_in: cute.Tensor, q_out: cute.Tensor, q_heads: Int32, n_write_heads: Int32, pad_chunks: Int32):
+    def pad_pass(self, p: Int32, lane: Int32, args: Arguments, schedule: Schedule):
         """Zeroes of the pad heads: token t's heads [H, n_write_heads) are one contiguous run of
         vectors; pass p covers 32 * PAD_VECTORS_PER_LANE of them (chunk p % pad_chunks of token
         p // pad_chunks), one 128-bit store per lane and step, consecutive lanes adjacent."""
         zero = kl.zero_vector(IO_DTYPE)
-        pad_vectors = Int64((n_write_heads - q_heads) * ROW_VECTORS)
+        pad_vectors = Int64((args.n_write_heads - schedule.q_heads) * ROW_VECTORS)
         for u in range_constexpr(self.cfg.passes_per_warp):
-            t = (p + u) // pad_chunks
-            first = Int64((p + u) - t * pad_chunks) * (32 * PAD_VECTORS_PER_LANE) + Int64(lane)
-            if t < q_in.shape[0]:
-                run = kl.base_address(q_out) + (Int64(t) * q_out.stride[0] + Int64(q_heads) * HEAD_DIM) * 1
+            t = (p + u) // schedule.pad_chunks
+            first = Int64((p + u) - t * schedule.pad_chunks) * (32 * PAD_VECTORS_PER_LANE) + Int64(lane)
+            if t < args.q_in.shape[0]:
+                run = kl.base_address(args.q_out) + (Int64(t) * args.q_out.stride[0] + Int64(schedule.q_heads) * HEAD_DIM) * 1
                 for i in range_constexpr(PAD_VECTORS_PER_LANE):
                     if first + i * 32 < pad_vectors:
                         kl.store_vector(zero, run, (first + i * 32) * 16, IO_DTYPE, 16, self.cfg.streaming)
 
     @cute.jit
-    def kv_pass(
-        self,
-        p: Int32,
-        lane: Int32,
-        kv: cute.Tensor,
-        k_cache: cute.Tensor,
-        slot_mapping: cute.Tensor,
-        positions: cute.Tensor,
-        cos_sin_cache: cute.Tensor,
-        errors: cute.Tensor,
-        block_size: Int32,
-        checked: Int32,
-    ):
+    def kv_pass(self, p: Int32, lane: Int32, args: Arguments):
         """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. All rows' loads
         are issued first (row, slot and position together, then cos/sin), then each row is finished."""
         sub = lane % LANES_PER_ROW
         rows = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             r = (p + u) * ROWS_PER_PASS + lane // LANES_PER_ROW
-            valid = r < slot_mapping.shape[0]
+            valid = r < args.slot_mapping.shape[0]
             slot = Int64(-1)
             position = Int64(0)
-            src = kl.base_address(kv) + Int64(r) * kv.stride[0] * 2
+            src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
             frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
             if valid:
-                slot = Int64(slot_mapping[r])
-                position = Int64(positions[r])
+                slot = Int64(args.slot_mapping[r])
+                position = Int64(args.positions[r])
                 for s in range_constexpr(SLOTS):
                     kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             ok = slot >= 0
-            if checked != 0:
-                capacity = Int64(k_cache.shape[0]) * Int64(block_size)
-                bad = ok & ((slot >= capacity) | (position < 0) | (position >= cos_sin_cache.shape[0]))
+            if args.checked != 0:
+                capacity = Int64(args.k_cache.shape[0]) * Int64(args.block_size)
+                bad = ok & ((slot >= capacity) | (position < 0) | (position >= args.cos_sin_cache.shape[0]))
                 if bad & (sub == 0):
-                    cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(errors), Int64(0), Int32, 4), Int32(1))
+                    cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(0), Int32, 4), Int32(1))
                 ok = ok & cutlass.not_(bad)
-            tables = self.load_tail_cos_sin(ok, position, cos_sin_cache, sub)
+            tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub)
             rows.append((slot, ok, frags, tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
             slot, ok, frags, tables = rows[u]
@@ -404,13 +314,13 @@ class Kernel:
                 ys[s].store(frags[s].load().to(Float32))
             self.rotate_tail(ys, tables, ok, sub)
             xr = [ys[s].load().to(IO_DTYPE).to(Float32) for s in range(SLOTS)]  # round through the I/O dtype
-            block = Int64(Int32(slot) // block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
+            block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
             if slot > Int64(0x7FFFFFFF):
-                block = slot // Int64(block_size)
-            page = kl.base_address(k_cache) + block * k_cache.stride[0]
-            o = slot - block * Int64(block_size)
+                block = slot // Int64(args.block_size)
+            page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]
+            o = slot - block * Int64(args.block_size)
             data = page + o * DATA_BYTES
-            scales = page + Int64(block_size) * DATA_BYTES + o * SCALE_BYTES
+            scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
             # amax = max(max|x|, floor) per block; e = ceil(log2(amax / ELEMENT_MAX)); values x * 2^-e
             for s in range_constexpr(SLOTS):
                 j = s * LANES_PER_ROW + sub
@@ -426,7 +336,7 @@ class Kernel:
 
 
 def fake_arguments():
-    """Symbolic stand-ins for ARGUMENTS (+ stream): what `cute.compile` specializes on.
+    """Symbolic stand-ins for `Kernel.__call__`'s arguments: what `cute.compile` specializes on.
     Token counts, head counts, strides and pointers are run-time values; D, R and dtypes are not."""
     tokens = cute.sym_int32()
     return (

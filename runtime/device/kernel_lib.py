@@ -3,7 +3,7 @@
 Generated modules import this module and the DSL, nothing else from the package. Everything here
 is arch- and format-independent: what runs on the H200 through these functions is literally what
 runs on SM100 and SM120. The arch-specific pieces (UE8M0 and E2M1 conversions) are rendered into
-each generated module from templates/arch/.
+the generated modules that use them from templates/conversions/.
 
 All helpers are plain Python functions traced inside a kernel: they unroll over compile-time
 constants and never branch on run-time values (branches live in the kernels).

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from ..launch import LaunchConfig
-from ..variants import TARGETS
+from ..variants import TARGETS, parse_name
 from . import artifacts
 
 KERNELS_PACKAGE = "attn_prologue.generated.kernels"
@@ -120,8 +120,9 @@ def compile_entry(variant: str, config: LaunchConfig, target: str, out_dir: Path
 
     preload_runtime()
     mod = load_module(variant)
-    if target not in mod.TARGETS:
-        raise CompileError(f"{variant} is built for {', '.join(mod.TARGETS)}, not {target}")
+    claimed = parse_name(variant).arch.targets  # the name says which targets its module is for
+    if target not in claimed:
+        raise CompileError(f"{variant} is built for {', '.join(claimed)}, not {target}")
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="attn-prologue-dump-") as dump:
