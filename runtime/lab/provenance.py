@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -58,8 +60,21 @@ def git_state(directory: Path) -> dict:
             return unknown
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
-        return unknown
+        return copied_tree_state() or unknown
     return {"git_commit": commit, "git_dirty": dirty}
+
+
+ENV_SOURCE = "ATTN_PROLOGUE_SOURCE"
+
+
+def copied_tree_state() -> dict | None:
+    """For a tree copied without its .git (e.g. to a GPU machine): the state the copier recorded in
+    $ATTN_PROLOGUE_SOURCE as `<commit>` or `<commit>+dirty`, marked as told rather than read."""
+    told = os.environ.get(ENV_SOURCE, "")
+    commit, _, flag = told.partition("+")
+    if not re.fullmatch(r"[0-9a-f]{40}", commit) or flag not in ("", "dirty"):
+        return None
+    return {"git_commit": commit, "git_dirty": flag == "dirty", "git_state_from": ENV_SOURCE}
 
 
 def device_facts(device=None) -> dict | None:
