@@ -74,6 +74,23 @@ def test_git_state_is_unknown_outside_a_checkout_or_without_git(repo, tmp_path, 
     assert provenance.git_state(repo / "pkg") == unknown
 
 
+def test_a_copied_tree_records_the_commit_its_copier_states(repo, monkeypatch):
+    """On a machine that got a copy of the tree (with a stale .git or none), the copier's statement
+    wins, marked as such; a malformed statement is ignored (git is read)."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv(provenance.ENV_SOURCE, sha + "+dirty")
+    assert provenance.git_state(repo) == {
+        "git_commit": sha,
+        "git_dirty": True,
+        "git_state_from": provenance.ENV_SOURCE,
+    }
+    monkeypatch.setenv(provenance.ENV_SOURCE, sha)
+    assert provenance.git_state(repo)["git_dirty"] is False
+    monkeypatch.setenv(provenance.ENV_SOURCE, "not-a-commit")
+    read = provenance.git_state(repo)
+    assert "git_state_from" not in read and read["git_commit"] != sha
+
+
 def test_provenance_records_the_command_line_verbatim():
     p = provenance.provenance()
     assert p["argv"] == sys.argv

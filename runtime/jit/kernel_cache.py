@@ -134,10 +134,12 @@ class KernelCache:
                 )
 
     def _make_private_dirs(self, d: Path) -> None:
-        """Create d and its missing parents below (and including) the root as 0700, whatever the umask."""
+        """Create d and its missing parents from the root down as 0700, whatever the umask (the
+        root's own parents, outside the cache, are made as usual)."""
+        self.root.parent.mkdir(parents=True, exist_ok=True)
         missing = []
         p = d
-        while not p.exists() and p != p.parent:
+        while not p.exists():
             missing.append(p)
             if p == self.root:
                 break

@@ -54,13 +54,16 @@ def git_state(directory: Path) -> dict:
             ["git", "-C", str(directory), *args], capture_output=True, text=True, check=True, timeout=30
         ).stdout.strip()
 
+    told = copied_tree_state()
+    if told is not None:  # the copier knows better than a .git that may have come along stale
+        return told
     try:
         commit = git("rev-parse", "HEAD")
         if not git("ls-files", "--", "."):
             return unknown
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
-        return copied_tree_state() or unknown
+        return unknown
     return {"git_commit": commit, "git_dirty": dirty}
 
 
@@ -68,8 +71,9 @@ ENV_SOURCE = "ATTN_PROLOGUE_SOURCE"
 
 
 def copied_tree_state() -> dict | None:
-    """For a tree copied without its .git (e.g. to a GPU machine): the state the copier recorded in
-    $ATTN_PROLOGUE_SOURCE as `<commit>` or `<commit>+dirty`, marked as told rather than read."""
+    """For a copied tree (e.g. on a GPU machine, whose copy may carry a stale .git or none): the state
+    the copier recorded in $ATTN_PROLOGUE_SOURCE as `<commit>` or `<commit>+dirty`, marked as told
+    rather than read. It wins over git when set."""
     told = os.environ.get(ENV_SOURCE, "")
     commit, _, flag = told.partition("+")
     if not re.fullmatch(r"[0-9a-f]{40}", commit) or flag not in ("", "dirty"):
