@@ -138,12 +138,13 @@ class BoundOp:
         Checked here per call: M <= N, N fits the scratch, the micro-batch, and (when k_cache is not
         the one of the last call) the whole argument list. The compiled function checks the rest
         (dtypes, shapes, strides, alignment, device, equal row counts of q_in, kv and positions)."""
-        n = q_in.shape[0]
+        shape = q_in.shape
+        n = shape[0]
         if (
             slot_mapping.shape[0] > n
             or n > self.capacity
+            or shape[1] != self.h  # more heads than bound would write over the zero-once pads
             or k_cache is not self._k_cache
-            or q_in.shape[1] != self.h  # more heads than bound would write over the zero-once pads
         ):
             self._full_check(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch)
         if self.in_place:

@@ -129,6 +129,10 @@ class Runtime:
         if index not in self._arenas:
             self._arenas[index] = selftest.Arena(torch.device("cuda", index))
 
+    def selftest_arena(self, device: torch.device | int | None = None) -> selftest.Arena:
+        self.prepare(device)
+        return self._arenas[_index(device)]
+
     def _self_tested(self, v: Variant, fallback: Variant, facts: DeviceFacts) -> Variant:
         use = self.selftests.lookup(facts.selftest_key, v, fallback)
         if use is None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from attn_prologue import dispatch, ops, reference, selftest
 from attn_prologue.errors import InputError, ScratchError
+from attn_prologue.variants import ArchFamily, generated, parse_name
 
 from ..bad_inputs import BS, CASES, CUDA_ONLY, D, H, N, P, snapshot, unchanged, valid
 
@@ -230,6 +231,19 @@ def test_self_test_fallback_with_injected_fault(monkeypatch, tmp_path):
         selftest, "run", lambda *a, **k: pytest.fail("self-test ran again despite the record")
     )
     call_on(dispatch.Runtime(selftest_records=selftest.Records(tmp_path)), valid("cuda"))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in generated() if parse_name(n).arch is ArchFamily.SM90))
+def test_self_test_passes_on_every_sm90_variant(name, tmp_path):
+    """The self-test's inputs (random rows and the edge rows: zeros, subnormals, below the amax floor,
+    UE8M0 boundaries, every E2M1 tie, +-Inf, NaN) give no false alarm on a path the rest of the
+    suite verifies: every SM90 module passes it, run through the dispatcher's own arena."""
+    rt = dispatch.Runtime(selftest_records=selftest.Records(tmp_path))
+    v = parse_name(name)
+    launcher = rt.launcher(v, v.arch.default_config, 0)
+    ok, detail = selftest.run(launcher, rt.errors_buffer(0), rt.selftest_arena(0))
+    assert ok, detail
+    assert "edge cases" in detail
 
 
 def test_endurance_10000_graph_replays():

@@ -1,0 +1,114 @@
+"""The first-use self-test's rules on CPU: which variants are tested, what a record must say to be
+trusted, and that `run` compares every output byte (a launcher whose "kernel" is the reference
+passes; one that corrupts a byte fails). The GPU suite runs it on every SM90 module."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from attn_prologue import reference, selftest
+from attn_prologue.launcher import Launcher
+from attn_prologue.variants import ArchFamily, Conversions, QOut, generated, parse_name
+
+
+def reference_kernel(v, corrupt=False):
+    """A stand-in for a compiled kernel: the reference on the same buffers, in ARGUMENTS order."""
+
+    def fn(*args):
+        a = dict(zip(v.arguments, args, strict=True))
+        if v.op.has_q:
+            q_out = a["q_out"].view(torch.float8_e4m3fn) if v.q_out is QOut.FP8 else a["q_out"]
+            reference.qnorm_rope_kv_insert(
+                a["q_in"], a["kv"], q_out, a["k_cache"], a["slot_mapping"], a["positions"], a["cos_sin_cache"],
+                a["eps"], a["block_size"], v.cache_format, kv_scale=a.get("kv_scale"), q_scale=a.get("q_scale"),
+            )  # fmt: skip
+        else:
+            reference.kv_rope_insert(
+                a["kv"], a["k_cache"], a["slot_mapping"], a["positions"], a["cos_sin_cache"], a["block_size"],
+                v.cache_format, norm_weight=a.get("norm_weight"), eps=a.get("eps", 1e-6), kv_scale=a.get("kv_scale"),
+            )  # fmt: skip
+        if corrupt:
+            a["k_cache"].view(-1)[7] ^= 1
+
+    return fn
+
+
+SAMPLE = [
+    "qkv_d512r64_fp8_ds_mla_bf16_sm120",
+    "qkv_q8_d512r64_mxfp8_fp16_sm100",
+    "kv_norm_d128r64_mxfp4_bf16_sm120",
+    "kv_d128r64_fp8_token_fp16_sm120",
+    "kv_d512r64_fp8_tensor_bf16_sm120",
+]
+
+
+@pytest.mark.parametrize("name", SAMPLE)
+def test_run_passes_a_correct_kernel_and_catches_one_wrong_byte(name):
+    v = parse_name(name)
+    arena = selftest.Arena(torch.device("cpu"))
+    errors = torch.zeros(2, dtype=torch.int32)
+    ok, detail = selftest.run(
+        Launcher(v, v.arch.default_config, "sm_120a", 0, reference_kernel(v), 1), errors, arena
+    )
+    assert ok, detail
+    ok, detail = selftest.run(
+        Launcher(v, v.arch.default_config, "sm_120a", 0, reference_kernel(v, corrupt=True), 1), errors, arena
+    )
+    assert not ok and "1 cache bytes" in detail
+
+
+def test_edge_rows_cover_the_conversions_edges():
+    rows = selftest.edge_rows(128)
+    assert rows.shape == (8, 128) and not rows[0].any()
+    assert rows.isinf().sum() == 2 and rows.isnan().sum() == 1
+    ties = {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0}
+    assert ties <= set(rows[5].abs().tolist())
+    assert rows[3].abs().max() == 56.0 and rows[4].abs().max() == 56.25  # 448 * 2^-3 and just past it
+    assert (rows[1, :64] < 2.0**-126).all()  # subnormal in bf16 and fp16 alike
+
+
+def test_only_variants_with_a_distinct_fallback_are_tested(monkeypatch):
+    monkeypatch.delenv(selftest.ENV_MODE, raising=False)
+    tested = {n for n in generated() if selftest.fallback_to_test(parse_name(n)) is not None}
+    assert tested and all(parse_name(n).conversions is Conversions.NATIVE for n in tested)
+    assert all(parse_name(n).arch is not ArchFamily.SM90 for n in tested)
+    assert (
+        selftest.fallback_to_test(parse_name("kv_d512r64_bf16_bf16_sm120")) is None
+    )  # no conversions: one module
+    monkeypatch.setenv(selftest.ENV_MODE, "always")
+    v = parse_name("qkv_d512r64_fp8_ds_mla_bf16_sm90")
+    assert selftest.fallback_to_test(v) == v  # exercised on itself (how the GPU suite runs it on SM90)
+    monkeypatch.setenv(selftest.ENV_MODE, "off")
+    assert selftest.fallback_to_test(parse_name("qkv_d512r64_fp8_ds_mla_bf16_sm120")) is None
+
+
+def test_a_record_is_trusted_only_for_the_variant_or_its_fallback_and_its_source(tmp_path):
+    v = parse_name("qkv_d512r64_fp8_ds_mla_bf16_sm120")
+    fb = v.portable_fallback
+    env = "GPU|sm120|0.1.0|dsl"
+    records = selftest.Records(tmp_path)
+    records.store(env, v, fb, False, "planted")
+    assert selftest.Records(tmp_path).lookup(env, v, fb) == fb
+    data = json.loads(records.path.read_text())
+    for forged in ("qkv_d512r64_mxfp8_bf16_sm120", "rm -rf /", None):  # another module, junk, nothing
+        data[env][v.name]["use"] = forged
+        records.path.write_text(json.dumps(data))
+        assert selftest.Records(tmp_path).lookup(env, v, fb) is None  # not trusted: test again
+    data[env][v.name].update(use=fb.name, source="0" * 64)  # recorded for another module source
+    records.path.write_text(json.dumps(data))
+    assert selftest.Records(tmp_path).lookup(env, v, fb) is None
+    records.path.write_text("[]")
+    assert selftest.Records(tmp_path).lookup(env, v, fb) is None
+    assert records.path.parent == tmp_path  # inside the cache directory, not beside it
+
+
+def test_a_record_is_written_through_a_private_temporary_file(tmp_path):
+    records = selftest.Records(tmp_path)
+    trap = tmp_path / "elsewhere"
+    (tmp_path / "selftest.json.tmp").symlink_to(trap)  # a predictable name is not used
+    v = parse_name("qkv_d512r64_fp8_ds_mla_bf16_sm120")
+    records.store("env", v, v, True, "ok")
+    assert not trap.exists() and records.path.is_file() and not records.path.is_symlink()
+    assert (records.path.stat().st_mode & 0o077) == 0
