@@ -112,3 +112,26 @@ def test_a_record_is_written_through_a_private_temporary_file(tmp_path):
     records.store("env", v, v, True, "ok")
     assert not trap.exists() and records.path.is_file() and not records.path.is_symlink()
     assert (records.path.stat().st_mode & 0o077) == 0
+
+
+@pytest.mark.parametrize("name,d", [("bf16", 128), ("fp8_ds_mla", 512)])
+def test_only_the_payload_of_a_bf16_nan_is_forgiven(name, d):
+    """Formats store bf16 NaNs with any payload (their NaN policy says so); every other byte, and a
+    NaN turning into a number, still counts."""
+    from attn_prologue.formats import get_format
+
+    fmt, bs = get_format(name), 4
+    page = bs * fmt.bytes_per_token(d)
+    cache = torch.randint(0, 256, (2, page), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    at = fmt.data_bytes(d) - 2  # the last bf16 value of token 0's record (rope tail or full row)
+    a, b = cache.clone(), cache.clone()
+    a[0, at : at + 2] = torch.tensor([0xC0, 0x7F], dtype=torch.uint8)  # 0x7FC0: quiet NaN
+    b[0, at : at + 2] = torch.tensor([0x81, 0xFF], dtype=torch.uint8)  # 0xFF81: another NaN (negative)
+    canon = selftest.bf16_nans_canonical
+    assert torch.equal(canon(a, fmt, d, bs), canon(b, fmt, d, bs))
+    b[0, at : at + 2] = torch.tensor([0x80, 0x3F], dtype=torch.uint8)  # 1.0
+    assert not torch.equal(canon(a, fmt, d, bs), canon(b, fmt, d, bs))
+    one, two = cache.clone(), cache.clone()  # any other difference: here page 1's first two bytes
+    one[1, :2] = torch.tensor([0x80, 0x3F], dtype=torch.uint8)  # bf16 1.0 (or two fp8 codes)
+    two[1, :2] = torch.tensor([0x00, 0x40], dtype=torch.uint8)  # bf16 2.0
+    assert not torch.equal(canon(one, fmt, d, bs), canon(two, fmt, d, bs))
