@@ -11,3 +11,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """The session's full build (tests/support/build.py), shared by every test that inspects it."""
+    from .support.build import build_once
+
+    return build_once(tmp_path_factory)

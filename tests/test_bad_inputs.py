@@ -6,7 +6,7 @@ import attn_prologue.torch_op  # noqa: F401  (registers torch.ops.attn_prologue)
 import pytest
 import torch
 
-from .bad_inputs import CASES, snapshot, unchanged, valid
+from .support.bad_inputs import CASES, snapshot, unchanged, valid
 
 
 def call(args):

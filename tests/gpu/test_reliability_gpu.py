@@ -13,7 +13,7 @@ from attn_prologue import dispatch, ops, reference, selftest
 from attn_prologue.errors import InputError, ScratchError
 from attn_prologue.variants import ArchFamily, generated, parse_name
 
-from ..bad_inputs import BS, CASES, CUDA_ONLY, D, H, N, P, snapshot, unchanged, valid
+from ..support.bad_inputs import BS, CASES, CUDA_ONLY, D, H, N, P, snapshot, unchanged, valid
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""Process entry points for tests/test_build.py (importable by multiprocessing's spawn start method)."""
+"""Process entry points for tests/test_kernel_cache.py (importable by multiprocessing's spawn start method)."""
 
 from __future__ import annotations
 
