@@ -39,8 +39,16 @@ def cmd_list(args) -> int:
             for choice, text in NUMERICS_HELP.items():
                 print(f"  {type(choice).__name__}.{choice.name} ({choice.value}): {text}")
             print("\nnot generated:")
+            names = {v.name for v in vs}
             for v, why in dropped_combinations():
-                print(f"  {v.name}: {why}")
+                if v.name not in names:  # (an SM90 "native" combination is the portable module's alias)
+                    print(f"  {v.name}: {why}")
+    if args.archs:
+        from .codegen.archs import ARCH_SPECS
+
+        print("\nDefault launch configs, and why:\n")
+        for spec in ARCH_SPECS.values():
+            print(f"  {spec.reasoning()}\n")
     return 0
 
 
@@ -271,6 +279,9 @@ def main(argv=None) -> int:
     s.add_argument("--variants", action="store_true", help="also list every generated variant")
     s.add_argument(
         "--why", action="store_true", help="with --variants: why the other combinations are not generated"
+    )
+    s.add_argument(
+        "--archs", action="store_true", help="why each arch family's default launch config is what it is"
     )
     s.set_defaults(fn=cmd_list)
 

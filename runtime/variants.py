@@ -66,9 +66,9 @@ class Conversions(enum.Enum):
     PORTABLE = "portable"  # integer UE8M0 and software E2M1 (SM90; the fallback elsewhere)
 
 
-# Launch defaults per family; codegen/archs.py gives the arithmetic behind each and what was measured.
-_SM90_DEFAULT = LaunchConfig(warps_per_cta=4, pdl=True, non_coherent=True, streaming=True)
-_SM120_DEFAULT = LaunchConfig(warps_per_cta=2, pdl=True, non_coherent=True, streaming=True)
+# Launch defaults per family: 4-warp CTAs, PDL, ld.global.nc, streaming hints on every family for now.
+# codegen/archs.py gives the arithmetic behind them and what was measured (`list --archs` prints it).
+_DEFAULT = LaunchConfig(warps_per_cta=4, pdl=True, non_coherent=True, streaming=True)
 
 
 class ArchFamily(enum.Enum):
@@ -92,7 +92,7 @@ class ArchFamily(enum.Enum):
 
     @property
     def default_config(self) -> LaunchConfig:
-        return {"sm90": _SM90_DEFAULT, "sm100": _SM90_DEFAULT, "sm120": _SM120_DEFAULT}[self.value]
+        return {"sm90": _DEFAULT, "sm100": _DEFAULT, "sm120": _DEFAULT}[self.value]
 
 
 # compute capability -> (arch family, compile target): the one table the runtime dispatches on

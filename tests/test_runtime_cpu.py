@@ -91,12 +91,21 @@ def test_unknown_format_is_a_typed_error_naming_the_known_ones():
         find(Request(Op.KV, 512, 64, "fp9", IoDtype.BF16), ArchFamily.SM90)
 
 
-def test_default_configs():
-    from attn_prologue.codegen.archs import ARCH_SPECS
+def test_default_configs_and_their_arithmetic():
+    from attn_prologue.codegen.archs import ARCH_SPECS, resident_warps
 
     for family in ArchFamily:
         assert ARCH_SPECS[family.value].default_config == family.default_config
-    assert ArchFamily.SM120.default_config.warps_per_cta == 2  # more CTAs for small batches (archs.py)
+        assert family.default_config.warps_per_cta == 4  # see codegen/archs.py for why, SM120 included
+    # registers are allocated per warp in multiples of 8 per thread, CTAs whole: 41-48 registers give
+    # 40 resident warps with 4-warp CTAs (10 CTAs of 6,144 registers), 40 registers give 48
+    assert {resident_warps(r, 4, 64, 32) for r in range(41, 49)} == {40}
+    assert resident_warps(40, 4, 64, 32) == 48 and resident_warps(44, 2, 48, 24) == 42
+    assert resident_warps(32, 1, 48, 24) == 24  # CTA-limited
+    h200 = ARCH_SPECS["sm90"].parts[1]
+    assert round(h200.bytes_per_clock_per_sm, 1) == 18.4 and 12 < h200.warps_needed < 13
+    text = ARCH_SPECS["sm120"].reasoning()
+    assert "GB10" in text and "40-40 warps per SM" in text and "4-warp" in text
 
 
 def test_launch_config_keys_round_trip():
