@@ -23,7 +23,7 @@ from attn_prologue import tuning
 from attn_prologue.jit import compiler
 from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.launch import LaunchConfig
-from attn_prologue.variants import CAPABILITIES, Variant
+from attn_prologue.variants import CAPABILITIES, DEFAULT_BUILD_TARGETS, Variant
 
 from .variants import variant_space
 
@@ -58,7 +58,7 @@ def build_keys(
     keys = []
     for v in variants:
         for t in v.arch.targets:
-            if targets is not None and t not in targets:
+            if t not in (DEFAULT_BUILD_TARGETS if targets is None else targets):
                 continue
             chosen = (given or {v.arch.default_config}) | tuned.get((v.name, t), set())
             for cfg in sorted(chosen, key=lambda c: c.key):

@@ -9,6 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .variants import DEFAULT_BUILD_TARGETS, TARGETS
+
 
 def _table(rows: list[dict]) -> str:
     cols = list(rows[0])
@@ -82,12 +84,24 @@ def cmd_build(args) -> int:
     if not ok:
         print(report)
         return 1
+    from .errors import UnsupportedError
+    from .variants import check_targets
+
     variants = variant_space()
     if args.variants:
         wanted = set(args.variants)
         variants = [v for v in variants if v.name in wanted or any(v.name.startswith(w) for w in wanted)]
-    targets = set(args.targets.split(",")) if args.targets else None
-    configs = [LaunchConfig.from_key(k) for k in args.config.split(",")] if args.config else None
+        if not variants:
+            print(
+                f"build: no generated variant matches {' '.join(args.variants)} (`list --variants` names them)"
+            )
+            return 2
+    try:
+        targets = set(check_targets(args.targets.split(","))) if args.targets else None
+        configs = [LaunchConfig.from_key(k) for k in args.config.split(",")] if args.config else None
+    except (UnsupportedError, ValueError) as exc:
+        print(f"build: {exc}")
+        return 2
     cache = _cache(args)
     print(f"build: {len(variants)} variants -> {cache.root}")
     r = build.run(
@@ -299,7 +313,11 @@ def main(argv=None) -> int:
         "--cache-dir", help="kernel cache (default $ATTN_PROLOGUE_CACHE or ~/.cache/attn_prologue/kernels)"
     )
     s.add_argument("--jobs", "-j", type=int, help="parallel compile processes (default: CPU count)")
-    s.add_argument("--targets", help="comma-separated subset of sm_90a,sm_100a,sm_120a,sm_121a")
+    s.add_argument(
+        "--targets",
+        help=f"comma-separated compile targets (default {','.join(DEFAULT_BUILD_TARGETS)}; also: "
+        f"{','.join(t for t in TARGETS if t not in DEFAULT_BUILD_TARGETS)})",
+    )
     s.add_argument("--variants", nargs="*", help="variant names or name prefixes (default: all)")
     s.add_argument(
         "--config",

@@ -15,7 +15,7 @@ from attn_prologue.codegen.plan import make_plan
 from attn_prologue.formats import ElementCode, ScaleCode
 from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.launch import LaunchConfig
-from attn_prologue.variants import Conversions, Op, QOut, Variant, parse_name
+from attn_prologue.variants import DEFAULT_BUILD_TARGETS, TARGETS, Conversions, Op, QOut, Variant, parse_name
 
 from .support.build import ENTRIES, ENTRY_IDS, REPO, meta_of, ptx_of
 
@@ -369,3 +369,31 @@ def test_every_launch_knob_compiles_on_every_arch(tmp_path):
             )
             ptxs[key] = ptx
         assert len(set(ptxs.values())) == len(CONFIG_KEYS)  # every knob changes the code
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t not in DEFAULT_BUILD_TARGETS])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "qkv_d512r64_fp8_ds_mla_bf16_sm100",
+        "kv_d128r64_mxfp4_fp16_sm100",
+        "qkv_q8_d512r64_mxfp8_bf16_sm100_portable",
+    ],
+)
+def test_targets_built_on_request_emit_what_the_others_do(tmp_path, variant, target):
+    """sm_103a (B300) and sm_110a (Thor) are built only on request: the SM100 modules compile for them
+    to the same global accesses and conversions as for sm_100a, with no local memory."""
+    v = parse_name(variant)
+    cache = KernelCache(tmp_path)
+    extra = cache.ensure_built(KernelKey(variant, v.arch.default_config, target))
+    base = cache.ensure_built(KernelKey(variant, v.arch.default_config, "sm_100a"))
+    ptx = (cache.entry_dir(KernelKey(variant, v.arch.default_config, target)) / "kernel.ptx").read_text()
+    assert re.search(rf"^\.target {target}$", ptx, re.M)
+    facts, res = extra["ptx"], extra["resources"]
+    for fact in ("global_access_bits", "cvt_ue8m0x2", "cvt_e2m1x2", "cvt_e4m3x2", "griddepcontrol"):
+        assert facts[fact] == base["ptx"][fact], fact
+    assert facts["max_load_bits"] == 128
+    assert not facts["local_memory"] and not res["local_sections"] and res["frame_bytes"] == 0
+    native = v.conversions is Conversions.NATIVE
+    assert (facts["cvt_ue8m0x2"] > 0) == (native and v.format.scale is ScaleCode.UE8M0)
+    assert (facts["cvt_e2m1x2"] > 0) == (native and v.format.element is ElementCode.E2M1)

@@ -35,8 +35,13 @@ def test_capabilities_map_to_families_and_targets():
     assert arch_for_capability(10, 0) == (ArchFamily.SM100, "sm_100a")
     assert arch_for_capability(12, 0) == (ArchFamily.SM120, "sm_120a")
     assert arch_for_capability(12, 1) == (ArchFamily.SM120, "sm_121a")
-    with pytest.raises(UnsupportedError, match="8.0.*supported"):
-        arch_for_capability(8, 0)
+    assert arch_for_capability(10, 3) == (ArchFamily.SM100, "sm_103a")  # B300
+    assert arch_for_capability(11, 0) == (ArchFamily.SM100, "sm_110a")  # Thor
+    for unknown in ((8, 0), (12, 2), (10, 1)):
+        with pytest.raises(UnsupportedError, match=f"{unknown[0]}.{unknown[1]}.*supported"):
+            arch_for_capability(*unknown)
+    with pytest.raises(UnsupportedError, match="did you mean sm_90a"):
+        variants.check_targets(["sm_90"])
     assert {t for f in ArchFamily for t in f.targets} == set(variants.TARGETS)
 
 

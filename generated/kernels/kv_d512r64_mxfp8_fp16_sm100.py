@@ -2,7 +2,7 @@
 """kv_d512r64_mxfp8_fp16_sm100: KV RoPE + mxfp8 encode + paged insert; D=512, R=64, fp16 I/O.
 
 Cache format mxfp8: DeepSeek-V4.1 sliding-window cache: 512 e4m3 (rope quantized too), 16 UE8M0.
-Arch family sm100 (targets sm_100a), native conversions.
+Arch family sm100 (targets sm_100a, sm_103a, sm_110a), native conversions.
 """
 
 from typing import NamedTuple

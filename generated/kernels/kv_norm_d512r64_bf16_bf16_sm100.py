@@ -2,7 +2,7 @@
 """kv_norm_d512r64_bf16_bf16_sm100: KV weighted RMSNorm + RoPE + bf16 encode + paged insert; D=512, R=64, bf16 I/O.
 
 Cache format bf16: unquantized full cache: D bf16 per token.
-Arch family sm100 (targets sm_100a), native conversions.
+Arch family sm100 (targets sm_100a, sm_103a, sm_110a), native conversions.
 """
 
 from typing import NamedTuple

@@ -2,7 +2,7 @@
 """qkv_d512r64_bf16_fp16_sm100: Q RMSNorm + RoPE into q_out (fp16), KV RoPE + bf16 encode + paged insert; D=512, R=64, fp16 I/O.
 
 Cache format bf16: unquantized full cache: D bf16 per token.
-Arch family sm100 (targets sm_100a), native conversions.
+Arch family sm100 (targets sm_100a, sm_103a, sm_110a), native conversions.
 """
 
 from typing import NamedTuple
