@@ -19,7 +19,7 @@ import torch
 
 from . import ops, validate
 from .dispatch import MAX_BUCKET_LOG2, Runtime, default_runtime
-from .errors import InputError, ScratchError
+from .errors import InputError, ScratchError, UnsupportedError
 from .formats import get_format
 from .launch import LaunchConfig
 from .scratch import ScratchPool
@@ -49,11 +49,11 @@ class BoundOp:
         config: LaunchConfig | None = None,
         runtime: Runtime | None = None,
     ):
-        device = (
-            torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        )
+        device = torch.device(device) if device is not None else torch.device("cuda")
         if device.type != "cuda":
             raise InputError(f"bind() needs a CUDA device, got {device}")
+        if not torch.cuda.is_available():
+            raise UnsupportedError("no CUDA device is available: bind() needs an NVIDIA GPU")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         p = padded_heads or num_heads

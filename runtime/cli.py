@@ -117,6 +117,39 @@ def cmd_build(args) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    """Where the kernel cache is, what it holds per target, and (with --clean) emptying it."""
+    import collections
+    import shutil
+
+    cache = _cache(args)
+    root = cache.root
+    print(f"kernel cache: {root}{'' if root.exists() else ' (does not exist yet)'}")
+    if not root.exists():
+        return 0
+    entries: collections.Counter = collections.Counter()
+    size = locks = 0
+    for path in root.rglob("*"):
+        if path.is_symlink() or not path.is_file():
+            continue
+        size += path.stat().st_size
+        if path.name.endswith(".lock") or path.name.endswith(".lock-owner"):
+            locks += 1
+        elif path.name == "meta.json" and len(path.relative_to(root).parts) == 5:  # host/target/variant/entry
+            entries[path.relative_to(root).parts[1]] += 1
+    for target, count in sorted(entries.items()):
+        print(f"  {target:8} {count:5d} kernels")
+    print(f"  {sum(entries.values())} kernels, {locks} lock files, {size / 2**20:.1f} MiB")
+    if args.clean:
+        for child in root.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+        print(f"cleaned {root}")
+    return 0
+
+
 def cmd_compile_entries(args) -> int:
     from .codegen import build
 
@@ -284,7 +317,7 @@ def cmd_simulate(args) -> int:
     return 0 if results["passed"] else 1
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attn_prologue", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -324,15 +357,22 @@ def main(argv=None) -> int:
         help="comma-separated launch config keys, e.g. w4_u1_pdl1_nc1 (default: each arch's default + tuned ones)",
     )
     s.add_argument("--report", help="write every entry's metadata as JSON here")
-    s.add_argument("--verbose", "-v", action="store_true")
+    s.add_argument("--verbose", "-v", action="store_true", help="show every compile command ninja runs")
     s.set_defaults(fn=cmd_build)
 
     s = sub.add_parser(
         "bench", help="time the op against a copy of its bytes, torch eager and torch.compile (GPU)"
     )
-    s.add_argument("--shapes", default="targets", choices=["targets", "indexer", "all", "quick", "baseline"])
-    s.add_argument("--max-tokens", type=int)
-    s.add_argument("--replays", type=int, default=30)
+    s.add_argument(
+        "--shapes",
+        default="targets",
+        choices=["targets", "indexer", "all", "quick", "baseline"],
+        help="which shape set to time (targets: the performance targets' shapes)",
+    )
+    s.add_argument("--max-tokens", type=int, help="skip shapes with more tokens than this")
+    s.add_argument(
+        "--replays", type=int, default=30, help="CUDA-graph replays per measurement (median taken)"
+    )
     s.add_argument(
         "--no-baselines", action="store_true", help="skip torch eager / torch.compile of the reference"
     )
@@ -354,15 +394,15 @@ def main(argv=None) -> int:
     s.add_argument(
         "--buckets", help="comma-separated token counts (default: powers of two up to --max-tokens)"
     )
-    s.add_argument("--max-tokens", type=int, default=32768)
+    s.add_argument("--max-tokens", type=int, default=32768, help="largest token-count bucket to tune")
     s.add_argument(
         "--space", default="default", choices=["default", "full"], help="config space to enumerate"
     )
     s.add_argument("--configs", help="comma-separated config keys instead of a space")
-    s.add_argument("--heads", type=int, default=64)
-    s.add_argument("--padded-heads", type=int, default=64)
+    s.add_argument("--heads", type=int, default=64, help="H: live Q heads the entries are tuned at")
+    s.add_argument("--padded-heads", type=int, default=64, help="P: heads written (pads included)")
     s.add_argument("--jobs", type=int, help="compile processes")
-    s.add_argument("--replays", type=int, default=15)
+    s.add_argument("--replays", type=int, default=15, help="CUDA-graph replays per timing (median taken)")
     s.add_argument(
         "--db", help="tuning database to merge into (default $ATTN_PROLOGUE_TUNING_DB or the shipped one)"
     )
@@ -382,7 +422,7 @@ def main(argv=None) -> int:
     )
     s.add_argument("--padded-heads", type=int, default=64, help="P: heads of the padded Q buffer")
     s.add_argument("--heads", type=int, default=16, help="H: live heads (64 / TP4)")
-    s.add_argument("--layers", type=int, default=43)
+    s.add_argument("--layers", type=int, default=43, help="attention layers (DeepSeek-V4-Flash: 43)")
     s.add_argument("--block-size", type=int, default=64, help="tokens per KV-cache block")
     s.add_argument(
         "--micro-batches", type=int, default=2, help="scratch buffers (steps alternate between them)"
@@ -398,7 +438,7 @@ def main(argv=None) -> int:
     )
     s.add_argument("--seqs", type=int, default=8, help="concurrent sequences")
     s.add_argument("--prompt-len", type=int, default=30000, help="prompt tokens per sequence (+-5%%)")
-    s.add_argument("--decode-steps", type=int, default=32)
+    s.add_argument("--decode-steps", type=int, default=32, help="decode steps after the prompts' prefill")
     s.add_argument(
         "--needles",
         type=int,
@@ -411,17 +451,47 @@ def main(argv=None) -> int:
         default=True,
         help="also run the schedule with the old allocating op (fresh [N, P, D] Q per call) under the same budget",
     )
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed of prompts, inputs and the block allocator")
     s.add_argument("--json", help="write the results here")
     s.set_defaults(fn=cmd_simulate)
 
-    s = sub.add_parser("compile-entries", help=argparse.SUPPRESS)
-    s.add_argument("--cache-dir")
-    s.add_argument("entries", nargs="+")
+    s = sub.add_parser(
+        "cache", help="where the kernel cache is, its size and kernels per target; --clean empties it"
+    )
+    s.add_argument(
+        "--cache-dir", help="the cache (default $ATTN_PROLOGUE_CACHE or ~/.cache/attn_prologue/kernels)"
+    )
+    s.add_argument("--clean", action="store_true", help="remove every entry, lock and build file in it")
+    s.set_defaults(fn=cmd_cache)
+
+    s = sub.add_parser("compile-entries", help="(internal: one ninja edge of `build`)")
+    s.add_argument("--cache-dir", help="the kernel cache to compile into")
+    s.add_argument("entries", nargs="+", help="variant:target:config triples")
     s.set_defaults(fn=cmd_compile_entries)
 
-    args = p.parse_args(argv)
-    return args.fn(args)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.fn in NEEDS_GPU:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(
+                f"attn_prologue {args.command}: needs a CUDA GPU, and none is available here", file=sys.stderr
+            )
+            return 2
+    from .errors import AttnPrologueError
+
+    try:
+        return args.fn(args)
+    except AttnPrologueError as exc:  # the package's own, typed errors: one line, no traceback
+        print(f"attn_prologue {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+NEEDS_GPU = {cmd_bench, cmd_tune, cmd_simulate}
 
 
 if __name__ == "__main__":

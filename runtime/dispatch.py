@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import selftest, tuning
+from .errors import InputError, UnsupportedError
 from .jit.kernel_cache import KernelCache, KernelKey
 from .launch import LaunchConfig
 from .launcher import Launcher
@@ -219,6 +220,13 @@ class Runtime:
 def _index(device) -> int:
     if isinstance(device, int):
         return device
+    if device is not None and device.type != "cuda":
+        raise InputError(
+            f"the kernels run on CUDA tensors, not {device.type} ones (attn_prologue.qnorm_rope_kv_insert "
+            "and the torch ops run the PyTorch reference on CPU tensors)"
+        )
+    if not torch.cuda.is_available():
+        raise UnsupportedError("no CUDA device is available: the kernels need an NVIDIA GPU")
     if device is None or device.index is None:
         return torch.cuda.current_device()
     return device.index

@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from .errors import UnsupportedError
+
 
 class ElementCode(enum.Enum):
     """How one value is stored in a data record."""
@@ -337,8 +339,11 @@ FORMATS: dict[str, CacheFormat] = {
 }
 
 
-class UnknownFormatError(KeyError):
-    pass
+class UnknownFormatError(UnsupportedError, KeyError):
+    """A cache format name that is not defined here (the message lists the defined ones)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 def get_format(name: str) -> CacheFormat:

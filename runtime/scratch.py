@@ -49,10 +49,10 @@ class ScratchPool:
 
     @staticmethod
     def _key(device, micro_batch: int, dtype: torch.dtype, padded_heads: int, head_dim: int) -> tuple:
-        device = (
-            torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        )
+        device = torch.device(device) if device is not None else torch.device("cuda")
         if device.type == "cuda" and device.index is None:
+            if not torch.cuda.is_available():
+                raise ScratchError("no CUDA device is available: a scratch pool for the kernels needs a GPU")
             device = torch.device("cuda", torch.cuda.current_device())
         return (device, micro_batch, dtype, padded_heads, head_dim)
 

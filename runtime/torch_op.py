@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from . import ops, reference, validate
+from .errors import InputError
 
 NAMESPACE = "attn_prologue"
 
@@ -129,7 +131,7 @@ def _qkv_fake(
     kv_scale=None,
     q_scale=None,
 ):
-    return None
+    _refuse_meta(q_in)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::kv_rope_insert", mutates_args=("k_cache",))
@@ -227,7 +229,16 @@ def _kv_fake(
     eps=1e-6,
     kv_scale=None,
 ):
-    return None
+    _refuse_meta(kv)
+
+
+def _refuse_meta(t: Tensor) -> None:
+    """The fake implementation traces (outputs are caller-owned: nothing to compute). Called eagerly
+    on real meta tensors it would be a silent no-op that looks like success: refuse that."""
+    if t.device.type == "meta" and not is_fake(t):
+        raise InputError(
+            "attn_prologue ops need CPU or CUDA tensors, got meta tensors (nothing would be written)"
+        )
 
 
 # ---- package-level entry points: direct in eager mode, torch.ops while compiling -----------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import math
 import os
 import re
@@ -40,6 +41,10 @@ _CAPABILITY = re.compile(r"\d{1,2}\.\d{1,2}")
 
 class TuningDatabaseWarning(UserWarning):
     pass
+
+
+log = logging.getLogger("attn_prologue.tuning")
+_NOTED: set[str] = set()
 
 
 def bucket_of(n_tokens: int) -> int:
@@ -214,12 +219,14 @@ class TuningDatabase:
             shape = (heads, int(e.get("padded_heads", heads)))  # (validated on load: positive ints)
             table.setdefault((e["variant"], int(e["bucket"])), {})[shape] = LaunchConfig.from_key(e["config"])
         if mismatched and not table:
-            warnings.warn(
-                f"tuning database {self.path}: no entry matches this environment ({want['gpu']}, "
-                f"{want['sms']} SMs, sm {want['capability']}); differing fields: "
-                f"{sorted({f for _, d in mismatched for f in d})}; using the heuristic (force=True to use it anyway)",
-                TuningDatabaseWarning,
+            note = (
+                f"tuning database {self.path}: no entry matches this GPU ({want['gpu']}, {want['sms']} SMs, "
+                f"sm {want['capability']}; differing fields: {sorted({f for _, d in mismatched for f in d})}): "
+                "using the arch's default launch configs (`python -m attn_prologue tune` makes entries for it)"
             )
+            if note not in _NOTED:  # informational, once per process: an untuned GPU is not a fault
+                _NOTED.add(note)
+                log.info(note)
         return table
 
 
