@@ -13,9 +13,11 @@ import collections
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -76,8 +78,17 @@ def ninja_shell_word(value: str) -> str:
     return shlex.quote(value).replace("$", "$$")
 
 
+def stamp_path(graph: Path, shard: str) -> Path:
+    return graph.parent / "stamps" / f"{shard}.stamp"
+
+
 def write_graph(cache: KernelCache, keys: list[tuple[Variant, KernelKey]], path: Path) -> dict:
-    """Write build.ninja; returns {shard: [meta paths]}."""
+    """Write a ninja graph compiling `keys`; returns {shard: [the entries' meta paths]}.
+
+    An edge's output is a stamp file its worker writes once every entry of the shard is published, not
+    the entries themselves: ninja deletes the outputs of an edge it interrupts (Ctrl-C), and a finished
+    entry must survive that. The graph lives in a directory of its own per `build`, so two builds of
+    different sets never share a graph or ninja's log."""
     shards: dict[str, list[tuple[Variant, KernelKey]]] = collections.defaultdict(list)
     for v, k in keys:
         shards[shard_of(v)].append((v, k))
@@ -88,31 +99,27 @@ def write_graph(cache: KernelCache, keys: list[tuple[Variant, KernelKey]], path:
         f"cache = {ninja_shell_word(str(cache.root))}",
         "",
         "rule compile",
-        "  command = $python -m attn_prologue compile-entries --cache-dir $cache $entries",
+        "  command = $python -m attn_prologue compile-entries --cache-dir $cache --stamp $out $entries",
         "  description = compile $shard ($count kernels)",
-        "  restat = 1",
         "",
     ]
     lib = ninja_escape(str(compiler.kernel_lib_path()))
     outputs = {}
     for shard, items in sorted(shards.items()):
-        outs = [ninja_escape(str(cache.meta_path(k))) for _, k in items]
         ins = sorted({ninja_escape(str(compiler.module_path(v.name))) for v, _ in items}) + [lib]
         entries = " ".join(shlex.quote(f"{k.variant}:{k.target}:{k.config.key}") for _, k in items)
-        lines.append(f"build {' '.join(outs)}: compile {' '.join(ins)}")
+        lines.append(f"build {ninja_escape(str(stamp_path(path, shard)))}: compile {' '.join(ins)}")
         lines.append(f"  entries = {entries}")
         lines.append(f"  shard = {shard}")
         lines.append(f"  count = {len(items)}")
         outputs[shard] = [str(cache.meta_path(k)) for _, k in items]
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = "\n".join(lines) + "\n"
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
+    path.write_text("\n".join(lines) + "\n")
     return outputs
 
 
-def compile_entries(cache: KernelCache, specs: list[str]) -> None:
-    """Worker: compile 'variant:target:config' entries into the cache (used by ninja edges)."""
+def compile_entries(cache: KernelCache, specs: list[str], stamp: Path | None = None) -> None:
+    """Worker: compile 'variant:target:config' entries into the cache (a ninja edge), then its stamp."""
     for spec in specs:
         variant, target, cfg = spec.split(":")
         t0 = time.perf_counter()
@@ -121,6 +128,9 @@ def compile_entries(cache: KernelCache, specs: list[str]) -> None:
             f"  {variant} {target} {cfg}: {meta['resources']['registers']} regs, {time.perf_counter() - t0:.2f}s",
             flush=True,
         )
+    if stamp is not None:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text("".join(f"{s}\n" for s in specs))
 
 
 def run(
@@ -132,26 +142,35 @@ def run(
     configs: list[LaunchConfig] | None = None,
     verbose: bool = False,
 ) -> dict:
+    """Compile what is missing of (variants x targets x configs) with ninja; every entry is checked
+    afterwards. An intact entry is never rebuilt, so a second `build` runs no compile at all."""
     variants = variants if variants is not None else variant_space()
     keys = build_keys(variants, targets, configs)
-    graph = cache.root / "build" / "build.ninja"
-    write_graph(cache, keys, graph)
+    missing = [(v, k) for v, k in keys if cache.read_meta(k) is None]
     jobs = jobs or os.cpu_count() or 2
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "ninja", "-C", str(graph.parent), "-f", graph.name, "-j", str(jobs)]
-    if verbose:
-        cmd.append("-v")
-    proc = subprocess.run(cmd)
+    graph = None
+    if missing:
+        here = cache.root / "build" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        graph = here / "build.ninja"
+        write_graph(cache, missing, graph)
+        cmd = [sys.executable, "-m", "ninja", "-C", str(here), "-f", graph.name, "-j", str(jobs)]
+        if verbose:
+            cmd.append("-v")
+        try:
+            proc = subprocess.run(cmd)
+        finally:
+            shutil.rmtree(here, ignore_errors=True)  # (its stamps, graph and log are this build's alone)
+        if proc.returncode != 0:
+            raise SystemExit(f"build failed (ninja exit {proc.returncode}); see the output above")
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"build failed (ninja exit {proc.returncode}); see the output above")
     metas = []
     for _, k in keys:
         meta = cache.read_meta(k)
         if meta is None:
             raise SystemExit(f"build finished but {k.variant} [{k.target}] has no intact cache entry")
         metas.append(meta)
-    return {"wall_seconds": wall, "entries": metas, "graph": str(graph), "jobs": jobs}
+    return {"wall_seconds": wall, "entries": metas, "compiled": len(missing), "jobs": jobs}
 
 
 def summary_table(metas: list[dict]) -> str:

@@ -110,7 +110,8 @@ def cmd_build(args) -> int:
     print()
     print(build.summary_table(r["entries"]))
     print(
-        f"\nbuild: {len(r['entries'])} kernels ready in {r['wall_seconds']:.1f}s wall ({r['jobs']} jobs); graph {r['graph']}"
+        f"\nbuild: {len(r['entries'])} kernels ready ({r['compiled']} compiled now) in {r['wall_seconds']:.1f}s wall "
+        f"({r['jobs']} jobs)"
     )
     if args.report:
         build.write_report(r["entries"], Path(args.report))
@@ -153,7 +154,7 @@ def cmd_cache(args) -> int:
 def cmd_compile_entries(args) -> int:
     from .codegen import build
 
-    build.compile_entries(_cache(args), args.entries)
+    build.compile_entries(_cache(args), args.entries, Path(args.stamp) if args.stamp else None)
     return 0
 
 
@@ -466,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("compile-entries", help="(internal: one ninja edge of `build`)")
     s.add_argument("--cache-dir", help="the kernel cache to compile into")
+    s.add_argument("--stamp", help="file to write once every entry is in the cache (the edge's output)")
     s.add_argument("entries", nargs="+", help="variant:target:config triples")
     s.set_defaults(fn=cmd_compile_entries)
 
