@@ -40,98 +40,24 @@ def qnorm_rope_kv_insert_op(
     raise NotImplementedError(f"qnorm_rope_kv_insert has no kernel for device {q_in.device}")
 
 
+# The implementations take the schema's arguments in its order (the dispatcher passes them all).
+# fmt: off
 @qnorm_rope_kv_insert_op.register_kernel("cpu")
-def _qkv_cpu(
-    q_in,
-    kv,
-    q_out,
-    k_cache,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    eps,
-    block_size,
-    cache_format="fp8_ds_mla",
-    kv_scale=None,
-    q_scale=None,
-):
-    validate.check_qkv(
-        q_in,
-        kv,
-        q_out,
-        k_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        eps,
-        block_size,
-        cache_format,
-        q_scale=q_scale,
-        kv_scale=kv_scale,
-    )
-    reference.qnorm_rope_kv_insert(
-        q_in,
-        kv,
-        q_out,
-        k_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        eps,
-        block_size,
-        cache_format,
-        kv_scale=kv_scale,
-        q_scale=q_scale,
-    )
+def _qkv_cpu(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None):
+    """The PyTorch reference, after the validation the kernels get."""
+    validate.check_qkv(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, q_scale=q_scale, kv_scale=kv_scale)
+    reference.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale)
 
 
 @qnorm_rope_kv_insert_op.register_kernel("cuda")
-def _qkv_cuda(
-    q_in,
-    kv,
-    q_out,
-    k_cache,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    eps,
-    block_size,
-    cache_format="fp8_ds_mla",
-    kv_scale=None,
-    q_scale=None,
-):
-    ops.qnorm_rope_kv_insert(
-        q_in,
-        kv,
-        q_out,
-        k_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        eps,
-        block_size,
-        cache_format,
-        kv_scale=kv_scale,
-        q_scale=q_scale,
-    )
+def _qkv_cuda(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None):
+    ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale)
 
 
 @qnorm_rope_kv_insert_op.register_fake
-def _qkv_fake(
-    q_in,
-    kv,
-    q_out,
-    k_cache,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    eps,
-    block_size,
-    cache_format="fp8_ds_mla",
-    kv_scale=None,
-    q_scale=None,
-):
+def _qkv_fake(q_in, *_):
     _refuse_meta(q_in)
+# fmt: on
 
 
 @torch.library.custom_op(f"{NAMESPACE}::kv_rope_insert", mutates_args=("k_cache",))
@@ -150,86 +76,22 @@ def kv_rope_insert_op(
     raise NotImplementedError(f"kv_rope_insert has no kernel for device {kv.device}")
 
 
+# fmt: off
 @kv_rope_insert_op.register_kernel("cpu")
-def _kv_cpu(
-    kv,
-    k_cache,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    block_size,
-    cache_format="fp8_ds_mla",
-    norm_weight=None,
-    eps=1e-6,
-    kv_scale=None,
-):
-    validate.check_kv(
-        kv,
-        k_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        block_size,
-        cache_format,
-        norm_weight=norm_weight,
-        eps=eps,
-        kv_scale=kv_scale,
-    )
-    reference.kv_rope_insert(
-        kv,
-        k_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        block_size,
-        cache_format,
-        norm_weight=norm_weight,
-        eps=eps,
-        kv_scale=kv_scale,
-    )
+def _kv_cpu(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None):
+    validate.check_kv(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
+    reference.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
 
 
 @kv_rope_insert_op.register_kernel("cuda")
-def _kv_cuda(
-    kv,
-    k_cache,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    block_size,
-    cache_format="fp8_ds_mla",
-    norm_weight=None,
-    eps=1e-6,
-    kv_scale=None,
-):
-    ops.kv_rope_insert(
-        kv,
-        k_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        block_size,
-        cache_format,
-        norm_weight=norm_weight,
-        eps=eps,
-        kv_scale=kv_scale,
-    )
+def _kv_cuda(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None):
+    ops.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
 
 
 @kv_rope_insert_op.register_fake
-def _kv_fake(
-    kv,
-    k_cache,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    block_size,
-    cache_format="fp8_ds_mla",
-    norm_weight=None,
-    eps=1e-6,
-    kv_scale=None,
-):
+def _kv_fake(kv, *_):
     _refuse_meta(kv)
+# fmt: on
 
 
 def _refuse_meta(t: Tensor) -> None:
@@ -262,37 +124,12 @@ def qnorm_rope_kv_insert(
     t < len(slot_mapping) with slot >= 0 into k_cache. Nothing is allocated.
     `write_pad_heads=False` skips zeroing the pads in eager mode: only for a q_out whose pads are
     known to be zero (a buffer only kernels with this H write); bound ops track that themselves."""
+    # fmt: off
     if q_in.is_cuda and not torch.compiler.is_compiling():
-        ops.qnorm_rope_kv_insert(
-            q_in,
-            kv,
-            q_out,
-            k_cache,
-            slot_mapping,
-            positions,
-            cos_sin_cache,
-            eps,
-            block_size,
-            cache_format,
-            kv_scale=kv_scale,
-            q_scale=q_scale,
-            write_pad_heads=write_pad_heads,
-        )
+        ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, write_pad_heads=write_pad_heads)
         return
-    torch.ops.attn_prologue.qnorm_rope_kv_insert(
-        q_in,
-        kv,
-        q_out,
-        k_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        eps,
-        block_size,
-        cache_format,
-        kv_scale,
-        q_scale,
-    )
+    torch.ops.attn_prologue.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale, q_scale)
+    # fmt: on
 
 
 def kv_rope_insert(
@@ -308,29 +145,9 @@ def kv_rope_insert(
     kv_scale=None,
 ) -> None:
     """KV-only relatives: RoPE (after an optional weighted RMSNorm), quantize, insert."""
+    # fmt: off
     if kv.is_cuda and not torch.compiler.is_compiling():
-        ops.kv_rope_insert(
-            kv,
-            k_cache,
-            slot_mapping,
-            positions,
-            cos_sin_cache,
-            block_size,
-            cache_format,
-            norm_weight=norm_weight,
-            eps=eps,
-            kv_scale=kv_scale,
-        )
+        ops.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
         return
-    torch.ops.attn_prologue.kv_rope_insert(
-        kv,
-        k_cache,
-        slot_mapping,
-        positions,
-        cos_sin_cache,
-        block_size,
-        cache_format,
-        norm_weight,
-        eps,
-        kv_scale,
-    )
+    torch.ops.attn_prologue.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight, eps, kv_scale)
+    # fmt: on

@@ -128,10 +128,6 @@ def test_the_library_never_imports_the_lab():
         package = ".".join(["attn_prologue", *f.parent.relative_to(runtime).parts])
         lab = {m for m in imported_modules(f, package) if m.startswith("attn_prologue.lab")}
         assert not lab, f"{f.relative_to(REPO)} imports {sorted(lab)}"
-    cli_top = ast.parse((runtime / "cli.py").read_text()).body  # and the command line only in its commands
-    assert not [
-        n for n in cli_top if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("lab")
-    ]
 
 
 def test_prune_drops_duplicates_and_invalid_configs_keeping_order():

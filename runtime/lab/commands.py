@@ -1,0 +1,152 @@
+"""The lab's command-line commands (`bench`, `targets`, `tune`, `simulate`): attn_prologue.cli
+parses the arguments and calls these."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .. import dispatch, tuning
+from ..launch import LaunchConfig, all_configs
+from ..variants import generated, parse_name
+from . import bench, plots, simulate, targets, tune
+from .provenance import provenance
+from .timing import l2_bytes
+
+
+def run_bench(args) -> int:
+    origin = provenance()
+    shapes = bench.default_shapes(args.shapes)
+    if args.max_tokens:
+        shapes = [s for s in shapes if s.n <= args.max_tokens]
+    # host overhead in the fresh process, and again after the shapes (their torch.compile baselines
+    # and graphs stay in the process): both are reported and checked
+    host = bench.host_overhead_us(bench.Shape(n=1))
+    results = []
+    for i, shape in enumerate(shapes):
+        r = bench.run_shape(shape, baselines=not args.no_baselines, replays=args.replays)
+        results.append(r)
+        if args.json:  # written after every shape: a run cut short keeps what it measured
+            bench.save(bench.document(results, {"partial": True}, origin), args.json)
+        print(
+            f"[{i + 1}/{len(shapes)}] {shape.label}: {r.op['median_us']:.2f} us, {r.gbs:.0f} GB/s, {r.copy['median_us'] / r.op['median_us']:.1%} of copy",
+            flush=True,
+        )
+    print()
+    print(bench.print_table(results))
+    host_end = bench.host_overhead_us(bench.Shape(n=1))
+    for label, h in (("fresh process", host), ("after the shapes", host_end)):
+        print(
+            f"\nhost overhead per eager call (T=1, whole Python path, {label}): bound op {h['bound_op_us']:.2f} us; "
+            f"one-call function {h['median_us']:.2f} us; bare TVM-FFI call {h['bare_tvm_ffi_call_us']:.2f} us; "
+            f"through torch.ops {h['torch_ops_call_us']:.2f} us"
+        )
+    checked = []
+    if not args.no_checked:
+        for n in (1, 2048, 8192):  # the always-on bounds checks: their cost at decode and at prefill sizes
+            c = bench.checked_cost(bench.Shape(n=n), replays=args.replays)
+            checked.append(c)
+            print(
+                f"bounds checks, {c['shape']}: {c['checked_us']:.2f} us vs {c['unchecked_us']:.2f} us without "
+                f"({c['cost']:+.1%}, {c['checked_us'] - c['unchecked_us']:+.3f} us; run-to-run spread "
+                f"{c['unchecked_spread']:.1%})"
+            )
+    meta = {
+        "checked_mode": checked,
+        "host_overhead": host,
+        "host_overhead_end": host_end,
+        "l2_bytes": l2_bytes(),
+    }
+    doc = bench.document(results, meta, origin)
+    if args.json:
+        bench.save(doc, args.json)
+    if args.png:
+        plots.bench_plot(results, args.png, origin["device"]["name"])
+    print("\n" + targets.print_targets(targets.check_targets(doc)))
+    return 0
+
+
+def run_targets(args) -> int:
+    rows = targets.check_targets(json.loads(Path(args.json).read_text()))
+    print(targets.print_targets(rows))
+    missed = sum(not r["met"] for r in rows)
+    print(f"\ntargets: {len(rows) - missed} met, {missed} missed ({args.json})")
+    return 0 if missed == 0 else 1
+
+
+def run_tune(args) -> int:
+    facts = dispatch.default_runtime().device()
+    arch, target = facts.arch, facts.target
+    names = sorted(
+        n
+        for n in generated()
+        if parse_name(n).arch is arch and parse_name(n).conversions is arch.default_conversions
+    )
+    if args.variants:
+        names = [n for n in names if any(n == w or n.startswith(w) for w in args.variants)]
+    if not names:
+        print(f"tune: no {arch.value} variant matches {args.variants}")
+        return 1
+    buckets = (
+        [int(b) for b in args.buckets.split(",")] if args.buckets else tuning.default_buckets(args.max_tokens)
+    )
+    if args.configs:
+        configs = [LaunchConfig.from_key(k) for k in args.configs.split(",")]
+    else:
+        configs = all_configs() if args.space == "full" else list(tune.DEFAULT_SPACE)
+    default = arch.default_config
+    if default not in configs:
+        configs.append(default)  # the heuristic's choice is always a candidate
+    configs = tune.prune(configs)
+    print(
+        f"tune: {len(names)} variants x {len(configs)} configs x {len(buckets)} buckets on {torch.cuda.get_device_name()} ({target})"
+    )
+    origin = provenance()
+    sweep = tune.run(
+        names, buckets, configs, h=args.heads, p=args.padded_heads, jobs=args.jobs, replays=args.replays
+    )
+    env = tuning.current_environment()
+    new = tune.entries(sweep, names, buckets, env, args.heads, args.padded_heads, provenance=origin)
+    db_path = Path(args.db) if args.db else tuning.database_path()
+    tuning.TuningDatabase.merge_into(db_path, new)
+    print(f"\n{'variant':44} {'T':>6} {'best config':>16} {'us':>9} {'default us':>10} {'gain':>6}")
+    for e in new:
+        d = sweep.timings.get((e["variant"], e["bucket"], default.key), float("inf"))
+        print(
+            f"{e['variant']:44} {e['bucket']:6d} {e['config']:>16} {e['us']:9.2f} {d:10.2f} {d / e['us']:5.2f}x"
+        )
+    for v, key, b, err in sweep.failures:
+        print(f"FAILED {v} {key} T={b}: {err}")
+    print(f"\ntune: {sweep.seconds:.1f}s, {len(new)} entries merged into {db_path}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(tune.document(sweep, env, default, origin), indent=1))
+    if args.plot_dir:
+        for v in names:
+            plots.tune_plot(
+                sweep, v, buckets, args.heads, args.padded_heads, Path(args.plot_dir) / f"tune_{v}.png"
+            )
+    return 0
+
+
+def run_simulate(args) -> int:
+    opts = simulate.SimOptions(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        padded_heads=args.padded_heads,
+        heads=args.heads,
+        layers=args.layers,
+        block_size=args.block_size,
+        micro_batches=args.micro_batches,
+        kv_fraction=args.kv_fraction,
+        memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * 1e9),
+        seqs=args.seqs,
+        prompt_len=args.prompt_len,
+        decode_steps=args.decode_steps,
+        needles=args.needles,
+        allocating=args.allocating,
+        seed=args.seed,
+        json_path=args.json,
+    )
+    results = simulate.run(opts)
+    return 0 if results["passed"] else 1

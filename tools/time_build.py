@@ -1,0 +1,75 @@
+"""Time the main job's build from an empty kernel cache and record it: wall time, kernels built per
+target, each kernel's compile time, and the machine, with provenance.
+
+    python tools/time_build.py --json results/build-cpu.json
+
+The README's build-time and kernel-count claims come from this file (a test checks that they agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from attn_prologue.lab.provenance import provenance
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", required=True, help="where to write the record")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="attn-prologue-build-") as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir", str(Path(tmp) / "cache"),
+               "--report", str(report)]  # fmt: skip
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            print(proc.stdout[-3000:], proc.stderr[-3000:])
+            return proc.returncode
+        metas = json.loads(report.read_text())
+    per_target: dict[str, int] = {}
+    for m in metas:
+        per_target[m["target"]] = per_target.get(m["target"], 0) + 1
+    seconds = sorted(m["compile_seconds"] for m in metas)
+    record = {
+        "provenance": provenance(),
+        "machine": {"cpus": os.cpu_count(), "cpu": cpu_model(), "system": platform.platform()},
+        "build_command": " ".join(cmd[1:4]) + " (into an empty cache)",
+        "wall_seconds": round(wall, 1),
+        "kernels": len(metas),
+        "kernels_per_target": dict(sorted(per_target.items())),
+        "compile_seconds": {
+            "sum": round(sum(seconds), 1),
+            "median": seconds[len(seconds) // 2],
+            "max": seconds[-1],
+            "per_kernel": {
+                f"{m['variant']}:{m['target']}:{m['config']}": m["compile_seconds"] for m in metas
+            },
+        },
+    }
+    Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"built {len(metas)} kernels in {wall:.1f} s wall on {os.cpu_count()} CPUs ({cpu_model()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
