@@ -48,6 +48,28 @@ def _check_rows(name: str, t: torch.Tensor, ndim: int, head_dim: int, dtype) -> 
     _check_aligned(name, t, 16)
 
 
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) bytes a tensor's elements can touch (from its shape and strides)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+def check_disjoint(written: dict, inputs: dict) -> None:
+    """InputError if a buffer the op writes overlaps another written buffer or any input: the
+    kernels read inputs while writing outputs, so an overlap gives bytes that depend on the schedule."""
+    ranges = {n: _byte_range(t) for n, t in {**written, **inputs}.items() if isinstance(t, torch.Tensor)}
+    names = list(written)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :] + [n for n in inputs if n in ranges]:
+            (a0, a1), (b0, b1) = ranges[a], ranges[b]
+            if a0 < b1 and b0 < a1:
+                _fail(
+                    f"{a} overlaps {b} in memory: the buffers the op writes must not overlap each other or its inputs"
+                )
+
+
 def check_supported(request: Request) -> None:
     """UnsupportedError (the reason `list --why` gives, and the nearest generated variants) unless a
     module exists for the request. Every arch family has the same (op, D, R, format, dtype, Q output)
@@ -203,9 +225,9 @@ def check_qkv(
     if (
         q_out.stride(2) != 1
         or (p > 1 and q_out.stride(1) != d)
-        or (q_out.shape[0] > 1 and q_out.stride(0) % 16)
+        or (q_out.shape[0] > 1 and (q_out.stride(0) % 16 or q_out.stride(0) < p * d))
     ):
-        _fail(f"q_out must be [N', P, D] with rows contiguous (strides {q_out.stride()})")
+        _fail(f"q_out must be [N', P, D] with rows contiguous and apart (strides {q_out.stride()})")
     _check_aligned("q_out", q_out, 16)
     if (
         q_out.untyped_storage().data_ptr() == q_in.untyped_storage().data_ptr()
@@ -239,6 +261,10 @@ def check_qkv(
         n_tokens=n,
         kv_scale=kv_scale,
     )
+    in_place = q_out.data_ptr() == q_in.data_ptr() and q_out.stride() == q_in.stride() and p == h
+    inputs = {"kv": kv, "slot_mapping": slot_mapping, "positions": positions, "cos_sin_cache": cos_sin_cache,
+              "kv_scale": kv_scale, "q_scale": q_scale}  # fmt: skip
+    check_disjoint({"q_out": q_out, "k_cache": k_cache}, inputs if in_place else {"q_in": q_in, **inputs})
     return request, device, h, p
 
 
@@ -289,4 +315,7 @@ def check_kv(
         kv_scale=kv_scale,
         norm_weight=norm_weight,
     )
+    inputs = {"kv": kv, "slot_mapping": slot_mapping, "positions": positions, "cos_sin_cache": cos_sin_cache,
+              "kv_scale": kv_scale, "norm_weight": norm_weight}  # fmt: skip
+    check_disjoint({"k_cache": k_cache}, inputs)
     return request, kv.device

@@ -6,7 +6,7 @@ import attn_prologue.torch_op  # noqa: F401  (registers torch.ops.attn_prologue)
 import pytest
 import torch
 
-from .support.bad_inputs import CASES, snapshot, unchanged, valid
+from .support.bad_inputs import CASES, OVERLAPS, snapshot, unchanged, valid
 
 
 def call(args):
@@ -38,9 +38,9 @@ def test_valid_call_passes_and_writes():
     }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted({**CASES, **OVERLAPS}))
 def test_bad_input_raises_typed_error_and_writes_nothing(name):
-    edit, error = CASES[name]
+    edit, error = {**CASES, **OVERLAPS}[name]
     args = valid("cpu")
     edit(args)
     before = snapshot(args)

@@ -13,7 +13,7 @@ from attn_prologue import dispatch, ops, reference, selftest
 from attn_prologue.errors import InputError, ScratchError
 from attn_prologue.variants import ArchFamily, generated, parse_name
 
-from ..support.bad_inputs import BS, CASES, CUDA_ONLY, D, H, N, P, snapshot, unchanged, valid
+from ..support.bad_inputs import BS, CASES, CUDA_ONLY, OVERLAPS, D, H, N, P, snapshot, unchanged, valid
 
 pytestmark = pytest.mark.gpu
 
@@ -60,6 +60,23 @@ def _bound_cases() -> list[str]:
         if all(k in BOUND_ARGS for k in b if b[k] is not a[k]):
             names.append(name)
     return names
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAPS))
+def test_overlapping_buffers_are_refused_where_arguments_are_validated(name):
+    """The first call of a shape validates everything, overlap between written buffers and inputs
+    included, before anything is written (a fresh runtime: no fast path cached)."""
+    edit, error = OVERLAPS[name]
+    args = valid("cuda")
+    edit(args)
+    before = snapshot(args)
+    with pytest.raises(error, match="overlaps|apart"):
+        ops.qnorm_rope_kv_insert(
+            *(args[k] for k in ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache")),
+            args["eps"], args["block_size"], args["cache_format"], runtime=dispatch.Runtime(),
+        )  # fmt: skip
+    torch.cuda.synchronize()
+    assert unchanged(before, args) == []
 
 
 @pytest.mark.parametrize("name", _bound_cases())

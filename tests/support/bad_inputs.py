@@ -48,6 +48,26 @@ def _alias_q(a: dict) -> None:
     a.update(q_out=q_out, q_in=q_out[:, :H])
 
 
+def _q_out_inside_k_cache(a: dict) -> None:
+    """One allocation: the cache's pages, and q_out starting 1 KB into them."""
+    q_bytes = N * P * D * 2
+    buf = torch.randint(
+        0, 256, (1024 + max(q_bytes, 4 * BS * 584),), dtype=torch.uint8, device=a["kv"].device
+    )
+    a.update(
+        k_cache=buf[: 4 * BS * 584].view(4, BS * 584),
+        q_out=buf[1024 : 1024 + q_bytes].view(torch.bfloat16).view(N, P, D),
+    )
+
+
+def _kv_inside_q_out(a: dict) -> None:
+    a.update(kv=a["q_out"][:, P - 1])  # head P-1 of every row: a [N, D] view the op writes (zeros)
+
+
+def _positions_inside_k_cache(a: dict) -> None:
+    a.update(positions=a["k_cache"].view(-1)[: N * 8].view(torch.int64))  # a view of the cache's first bytes
+
+
 # name -> (function editing the valid kwargs in place, expected error type)
 CASES = {
     "q_in float32": (lambda a: a.update(q_in=a["q_in"].float()), InputError),
@@ -112,6 +132,19 @@ CASES = {
         ),
         InputError,
     ),
+}
+
+# Overlap between what the op writes and anything else is refused where arguments are validated (the
+# first call of a shape on CUDA, every call of the CPU path); the CUDA hot paths do not re-check it per
+# call yet, so these run on the validating path only.
+OVERLAPS = {
+    "q_out inside k_cache": (_q_out_inside_k_cache, InputError),
+    "kv inside q_out": (_kv_inside_q_out, InputError),
+    "q_out rows overlapping": (
+        lambda a: a.update(q_out=a["q_out"].as_strided((N, P, D), (D, D, 1))),
+        InputError,
+    ),
+    "positions inside k_cache": (_positions_inside_k_cache, InputError),
 }
 
 CUDA_ONLY = {
