@@ -152,6 +152,23 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def cmd_package_kernels(args) -> int:
+    from .codegen import package
+    from .codegen.variants import variant_space
+    from .variants import check_targets
+
+    targets = list(check_targets(args.targets.split(",")))
+    variants = variant_space()
+    if args.variants:
+        variants = [v for v in variants if any(v.name.startswith(w) for w in args.variants)]
+        if not variants:
+            print(f"package-kernels: no generated variant matches {' '.join(args.variants)}")
+            return 2
+    wheel = package.package(_cache(args), targets, Path(args.out), variants, jobs=args.jobs)
+    print(f"package-kernels: {wheel} (install it on the serving hosts: `pip install {wheel.name}`)")
+    return 0
+
+
 def cmd_compile_entries(args) -> int:
     from .codegen import build
 
@@ -305,6 +322,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--clean", action="store_true", help="remove every entry, lock and build file in it")
     s.set_defaults(fn=cmd_cache)
+
+    s = sub.add_parser("package-kernels", help="build kernels for chosen targets and package them as a wheel")
+    s.add_argument("--targets", required=True, help=f"comma-separated compile targets ({','.join(TARGETS)})")
+    s.add_argument("--out", default="dist", help="folder for the wheel (default dist/)")
+    s.add_argument("--variants", nargs="*", help="variant name prefixes (default: all)")
+    s.add_argument("--cache-dir", help="the kernel cache to build into and package from")
+    s.add_argument("--jobs", "-j", type=int, help="parallel compile processes (default: CPU count)")
+    s.set_defaults(fn=cmd_package_kernels)
 
     s = sub.add_parser("compile-entries", help="(internal: one ninja edge of `build`)")
     s.add_argument("--cache-dir", help="the kernel cache to compile into")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -83,19 +84,48 @@ class KernelKey:
         return Path(host) / self.target / self.variant / f"{self.config.key}-{src}"
 
 
+ENTRY_POINT_GROUP = "attn_prologue.kernels"  # installed wheels of prebuilt kernels (`package-kernels`)
+
+
+def installed_prebuilt() -> list[KernelCache]:
+    """Read-only caches shipped as installed wheels: each entry point of ENTRY_POINT_GROUP names a
+    package whose `ROOT` is a kernel-cache tree. Trusted as a shared cache (owner anyone, writable by
+    no one else, no links), never written."""
+    out = []
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            out.append(KernelCache(Path(ep.load().ROOT), trust="shared", prebuilt=[]))
+        except Exception as exc:  # a broken kernels wheel never breaks serving: compile instead
+            warnings.warn(f"prebuilt kernels {ep.name} ({ep.value}) not used: {exc}", CorruptEntryWarning)
+    return out
+
+
 class KernelCache:
     def __init__(
-        self, root: Path | None = None, *, trust: str | None = None, lock_timeout: float | None = None
+        self,
+        root: Path | None = None,
+        *,
+        trust: str | None = None,
+        lock_timeout: float | None = None,
+        prebuilt: list[KernelCache] | None = None,
     ):
         self.root = Path(root) if root is not None else default_cache_dir()
         self.trust = trust or os.environ.get(ENV_TRUST, "own")
         if self.trust not in TRUST_MODES:
             raise ValueError(f"cache trust must be one of {TRUST_MODES}, got {self.trust!r}")
         self.lock_timeout = float(lock_timeout or os.environ.get(ENV_LOCK_TIMEOUT, 900))
+        self._prebuilt = prebuilt  # None: the installed kernel wheels, looked up on first need
         self._loaded: dict[KernelKey, Callable] = {}
         self._lock = threading.Lock()
         self.compiles = 0  # compiles done by this process (a test asserts 0 after `build`)
         self.disk_loads = 0
+        self.prebuilt_loads = 0
+
+    @property
+    def prebuilt(self) -> list[KernelCache]:
+        if self._prebuilt is None:
+            self._prebuilt = installed_prebuilt()
+        return self._prebuilt
 
     # ---- paths and trust -------------------------------------------------------------------------
     def entry_dir(self, key: KernelKey) -> Path:
@@ -243,7 +273,8 @@ class KernelCache:
 
     # ---- loading ---------------------------------------------------------------------------------
     def load(self, key: KernelKey, *, compile_if_missing: bool = True) -> Callable:
-        """The callable for key: memory, then disk, then compile (then disk)."""
+        """The callable for key: memory, then this cache on disk, then the installed prebuilt kernels,
+        then compile (into this cache)."""
         fn = self._loaded.get(key)
         if fn is not None:
             return fn
@@ -252,6 +283,13 @@ class KernelCache:
             if fn is not None:
                 return fn
             meta, so = self._read_entry(key)
+            if meta is not None:
+                self.disk_loads += 1
+            for shipped in self.prebuilt if meta is None else ():
+                meta, so = shipped._read_entry(key)
+                if meta is not None:
+                    self.prebuilt_loads += 1
+                    break
             if meta is None:
                 if not compile_if_missing:
                     raise FileNotFoundError(
@@ -263,8 +301,6 @@ class KernelCache:
                     raise KernelLoadError(
                         f"kernel cache entry {self.entry_dir(key)} vanished after its build"
                     )
-            else:
-                self.disk_loads += 1
             fn = self._load_verified(key, so)
             self._loaded[key] = fn
             return fn
