@@ -211,8 +211,11 @@ def test_the_targets_command_on_the_committed_bench(capsys):
     four host-overhead rows of that run's slow host missed."""
     assert cli_main(["targets", str(REPO / "results" / "bench-h200-targets.json")]) == 1
     out = capsys.readouterr().out
-    assert "targets: 32 met, 4 missed" in out
+    assert "targets: 32 met, 4 missed (kernel 32 met, 0 missed; host 0 met, 4 missed)" in out
     assert all(line.startswith("met") or "eager host overhead" in line for line in out.splitlines()[:36])
+    assert all(
+        line.endswith("[host-dependent]") for line in out.splitlines() if "eager host overhead" in line
+    )
 
 
 def test_result_documents_carry_their_provenance():

@@ -72,7 +72,7 @@ def run_targets(args) -> int:
     rows = targets.check_targets(json.loads(Path(args.json).read_text()))
     print(targets.print_targets(rows))
     missed = sum(not r["met"] for r in rows)
-    print(f"\ntargets: {len(rows) - missed} met, {missed} missed ({args.json})")
+    print(f"\ntargets: {len(rows) - missed} met, {missed} missed ({targets.summary(rows)}) ({args.json})")
     return 0 if missed == 0 else 1
 
 
