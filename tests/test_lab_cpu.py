@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from attn_prologue import tuning
+from attn_prologue import reference, tuning
 from attn_prologue.cli import main as cli_main
 from attn_prologue.jit import compiler
 from attn_prologue.lab import bench, provenance, targets, tune
@@ -228,3 +228,32 @@ def test_result_documents_carry_their_provenance():
     tdoc = tune.document(sweep, ENV, LaunchConfig(4, 1, True, True), ORIGIN)
     assert tdoc["provenance"] == ORIGIN and tdoc["env"] == ENV.as_dict()
     assert [t["bucket"] for t in tdoc["timings"]] == [1, 2]
+
+
+@pytest.mark.parametrize("op", ["qkv", "kv", "kv_norm"])
+def test_bench_calls_pass_the_shapes_arguments_to_the_reference(op):
+    """op_fns builds each call from call_args, for the kernels and the reference alike: run the
+    reference form on a CPU input set and check it wrote what the reference writes."""
+    shape = bench.Shape(n=4, h=2, p=4, op=op, block_size=16)
+    g = torch.Generator().manual_seed(9)
+    theta = torch.rand(64, 32, generator=g)
+    s = {
+        "kv": torch.randn(4, 512, generator=g).bfloat16(),
+        "k_cache": torch.zeros(2, 16 * 584, dtype=torch.uint8),
+        "slot_mapping": torch.tensor([0, 5, 17, 30]),
+        "positions": torch.tensor([1, 2, 3, 4]),
+        "cos_sin_cache": torch.cat((theta.cos(), theta.sin()), 1),
+        "q_in": torch.randn(4, 2, 512, generator=g).bfloat16(),
+        "q_out": torch.full((4, 4, 512), float("nan")).bfloat16(),
+        "norm_weight": (torch.rand(512, generator=g) + 0.5).bfloat16() if op == "kv_norm" else None,
+    }
+    (fn,) = bench.op_fns(shape, [s], impl="eager")
+    want = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+    fn()
+    args, kw = bench.call_args(shape, want)
+    if op == "qkv":
+        reference.qnorm_rope_kv_insert(*args, **kw, order="eager")
+        assert torch.equal(s["q_out"].view(torch.int16), want["q_out"].view(torch.int16))
+    else:
+        reference.kv_rope_insert(*args, **kw, order="eager")
+    assert torch.equal(s["k_cache"], want["k_cache"]) and s["k_cache"].any()

@@ -9,6 +9,7 @@ Bytes the op must move per token: H*D*2 (q in) + P_written*D*2 (q out) + D*2 (kv
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -149,85 +150,38 @@ def sets_for_cold_l2(shape: Shape) -> int:
     return max(2, min(64, (3 * l2_bytes()) // max(1, shape.min_bytes()) + 1))
 
 
+def call_args(shape: Shape, s: dict) -> tuple[tuple, dict]:
+    """The positional and keyword arguments of the shape's op on input set s, for the kernels and
+    the reference alike."""
+    if shape.op == "qkv":
+        tensors = ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache")
+        args = (*(s[k] for k in tensors), 1e-6, shape.block_size, shape.cache_format)
+        return args, {"kv_scale": s.get("kv_scale"), "q_scale": s.get("q_scale")}
+    tensors = ("kv", "k_cache", "slot_mapping", "positions", "cos_sin_cache")
+    args = (*(s[k] for k in tensors), shape.block_size, shape.cache_format)
+    return args, {"norm_weight": s.get("norm_weight"), "kv_scale": s.get("kv_scale")}
+
+
 def op_fns(
     shape: Shape, sets: list[dict], impl: str = "kernel", config=None, checked: bool = True
 ) -> list[Callable[[], None]]:
+    """One call per input set: the kernels (`impl="kernel"`), or the reference eager or compiled."""
+    qkv = shape.op == "qkv"
+    if impl == "kernel":
+        fn = ops.qnorm_rope_kv_insert if qkv else ops.kv_rope_insert
+        extra = {
+            "config": config,
+            "checked": checked,
+            **({"write_pad_heads": not shape.zero_once} if qkv else {}),
+        }
+    else:
+        fn = reference.qnorm_rope_kv_insert if qkv else reference.kv_rope_insert
+        fn = _compiled(fn) if impl == "compiled" else fn
+        extra = {"order": "eager"}
     fns = []
     for s in sets:
-        if impl == "kernel":
-            if shape.op == "qkv":
-                fns.append(
-                    lambda s=s: ops.qnorm_rope_kv_insert(
-                        s["q_in"],
-                        s["kv"],
-                        s["q_out"],
-                        s["k_cache"],
-                        s["slot_mapping"],
-                        s["positions"],
-                        s["cos_sin_cache"],
-                        1e-6,
-                        shape.block_size,
-                        shape.cache_format,
-                        kv_scale=s.get("kv_scale"),
-                        q_scale=s.get("q_scale"),
-                        write_pad_heads=not shape.zero_once,
-                        config=config,
-                        checked=checked,
-                    )
-                )
-            else:
-                fns.append(
-                    lambda s=s: ops.kv_rope_insert(
-                        s["kv"],
-                        s["k_cache"],
-                        s["slot_mapping"],
-                        s["positions"],
-                        s["cos_sin_cache"],
-                        shape.block_size,
-                        shape.cache_format,
-                        norm_weight=s.get("norm_weight"),
-                        kv_scale=s.get("kv_scale"),
-                        config=config,
-                        checked=checked,
-                    )
-                )
-        else:
-            ref = reference.qnorm_rope_kv_insert if shape.op == "qkv" else reference.kv_rope_insert
-            if impl == "compiled":
-                ref = _compiled(ref)
-            if shape.op == "qkv":
-                fns.append(
-                    lambda s=s, ref=ref: ref(
-                        s["q_in"],
-                        s["kv"],
-                        s["q_out"],
-                        s["k_cache"],
-                        s["slot_mapping"],
-                        s["positions"],
-                        s["cos_sin_cache"],
-                        1e-6,
-                        shape.block_size,
-                        shape.cache_format,
-                        kv_scale=s.get("kv_scale"),
-                        q_scale=s.get("q_scale"),
-                        order="eager",
-                    )
-                )
-            else:
-                fns.append(
-                    lambda s=s, ref=ref: ref(
-                        s["kv"],
-                        s["k_cache"],
-                        s["slot_mapping"],
-                        s["positions"],
-                        s["cos_sin_cache"],
-                        shape.block_size,
-                        shape.cache_format,
-                        norm_weight=s.get("norm_weight"),
-                        kv_scale=s.get("kv_scale"),
-                        order="eager",
-                    )
-                )
+        args, kw = call_args(shape, s)
+        fns.append(functools.partial(fn, *args, **kw, **extra))
     return fns
 
 
