@@ -200,8 +200,8 @@ def record_byte_index(
     db, sb = fmt.data_bytes(head_dim), fmt.scale_bytes(head_dim)
     ar_d = torch.arange(db, device=slots.device, dtype=torch.int64)
     ar_s = torch.arange(sb, device=slots.device, dtype=torch.int64)
-    data_cols = (o * db).unsqueeze(1) + ar_d
-    scale_cols = (block_size * db + o * sb).unsqueeze(1) + ar_s
+    data_cols = fmt.data_offset(head_dim, block_size, o).unsqueeze(1) + ar_d
+    scale_cols = fmt.scale_offset(head_dim, block_size, o).unsqueeze(1) + ar_s
     return block, data_cols, scale_cols
 
 

@@ -163,10 +163,12 @@ class CacheFormat:
         """Bytes of one block's records (the page may be larger: trailing padding)."""
         return block_size * self.bytes_per_token(head_dim)
 
-    def data_offset(self, head_dim: int, block_size: int, o: int) -> int:
+    def data_offset(self, head_dim: int, block_size: int, o):
+        """Byte offset in its page of token o's data record (o: an int or an int64 tensor)."""
         return o * self.data_bytes(head_dim)
 
-    def scale_offset(self, head_dim: int, block_size: int, o: int) -> int:
+    def scale_offset(self, head_dim: int, block_size: int, o):
+        """Byte offset in its page of token o's scale record: after all block_size data records."""
         return block_size * self.data_bytes(head_dim) + o * self.scale_bytes(head_dim)
 
     def supports_head_dim(self, head_dim: int, rope_dim: int) -> bool:
