@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attn_prologue.formats import ElementCode, ScaleCode
+from attn_prologue.formats import NUMERICS_FLAGS, ElementCode, ScaleCode
 from attn_prologue.variants import Op, QOut, Variant
 
 VEC = 8
@@ -50,6 +50,7 @@ def _fakes(v: Variant) -> dict[str, Argument]:
         "eps": ("Float32", "Float32(1e-6)"),
         "block_size": ("Int32", "Int32(64)"),
         "n_write_heads": ("Int32", "Int32(64)"),
+        "numerics": ("Int32", "Int32(0)"),  # formats.NumericsFlag bits: the parity choices
         "checked": ("Int32", "Int32(0)"),
         "max_ctas": ("Int32", "Int32(0)"),  # grid cap of persistent configs (SMs x CTAs per SM)
     }
@@ -97,8 +98,17 @@ def make_plan(v: Variant) -> dict:
         "element": f.element.value,
         "element_bytes_per_vector": VEC if f.element is ElementCode.E4M3 else VEC // 2,
         "divide": f.divide_by_fp_max,
-        "scale": "ue8m0" if f.scale is ScaleCode.UE8M0 else "f32",
+        "scale": {ScaleCode.UE8M0: "ue8m0", ScaleCode.E4M3: "e4m3"}.get(f.scale, "f32"),
+        "scale_clamp": tuple(repr(b) for b in f.scale_clamp) if f.scale_clamp else None,
+        "divide_by_scale": f.divide_by_scale,
+        # the parity choices this format has (formats.Numerics), read from the run-time `numerics` bits
+        "numerics_flags": {
+            flag.name: int(flag) for field, (_, flag) in NUMERICS_FLAGS.items() if getattr(f.numerics, field)
+        },
+        "scale_floor_choice": f.numerics.scale_floor is not None,
+        "fp4_zero_choice": f.numerics.fp4_zero is not None,
         "needs_e2m1": f.element is ElementCode.E2M1,
+        "needs_ue8m0": f.scale in (ScaleCode.UE8M0, ScaleCode.F32_POW2),
         "signature": sig,
         "shared_symbols": {TOKENS: "cute.sym_int32()"} if v.op is Op.QKV else {},
     }

@@ -45,6 +45,7 @@ class BoundOp:
         kv_scale: torch.Tensor | None = None,
         q_scale: torch.Tensor | None = None,
         checked: bool = True,
+        numerics=None,
         device=None,
         config: LaunchConfig | None = None,
         runtime: Runtime | None = None,
@@ -63,6 +64,7 @@ class BoundOp:
         if io is None:
             raise InputError(f"dtype must be bfloat16 or float16, got {dtype}")
         fmt = get_format(cache_format)
+        flags = fmt.numerics_flags(numerics)  # the KV path's parity choices (NumericsError if it lacks one)
         if fmt.needs_tensor_scale and kv_scale is None:
             raise InputError(f"cache format {cache_format} needs kv_scale")
         q8 = q_scale is not None
@@ -87,7 +89,7 @@ class BoundOp:
                 la.fn,
                 la.tail(
                     ops.QKV_TENSORS, errors=self.errors, eps=self.eps, block_size=block_size,
-                    n_write_heads=num_heads, checked=self.checked,
+                    n_write_heads=num_heads, checked=self.checked, numerics=flags,
                     **{n: t for n, t in zip(ops.SCALES, (kv_scale, q_scale)) if t is not None},
                 ),
             )

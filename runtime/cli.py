@@ -27,6 +27,16 @@ def cmd_list(args) -> int:
 
     print("Cache formats (per token; records first, scale records in a footer after all records):\n")
     print(_table(layout_rows(args.head_dim)))
+    if args.why:
+        from .formats import NUMERICS_HELP, numerics_rows
+
+        print(
+            "\nParity choices per format (run-time: `numerics=` on every entry point, the same rule in the"
+            " kernels and the reference; not variant axes):\n"
+        )
+        print(_table(numerics_rows()))
+        for choice, text in NUMERICS_HELP.items():
+            print(f"  {type(choice).__name__}.{choice.name} ({choice.value}): {text}")
     if args.variants:
         from .codegen.variants import dropped_combinations, variant_space  # noqa: F401
 
@@ -35,12 +45,6 @@ def cmd_list(args) -> int:
         for v in vs:
             print(f"  {v.name}")
         if args.why:
-            from .formats import NUMERICS_HELP, numerics_rows
-
-            print("\nNumerics choices of the reference and codecs (not variant axes):\n")
-            print(_table(numerics_rows()))
-            for choice, text in NUMERICS_HELP.items():
-                print(f"  {type(choice).__name__}.{choice.name} ({choice.value}): {text}")
             print("\nnot generated:")
             names = {v.name for v in vs}
             for v, why in dropped_combinations():

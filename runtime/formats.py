@@ -64,9 +64,64 @@ class Numerics:
     fp4_zero: Fp4Zero | None = None
     rotated_row: RotatedRow | None = None
 
+    def text(self) -> str:
+        """The spelling `parse` reads ("" when every field is left to the format)."""
+        return ", ".join(
+            f"{k}={getattr(self, k).value}" for k in self.__dataclass_fields__ if getattr(self, k)
+        )
+
     def __str__(self) -> str:
-        parts = [f"{k}={getattr(self, k).value}" for k in self.__dataclass_fields__ if getattr(self, k)]
-        return ", ".join(parts) or "format defaults"
+        return self.text() or "format defaults"
+
+    @classmethod
+    def parse(cls, text: str) -> Numerics:
+        """The inverse of str(): "scale_floor=scale, fp4_zero=signed" (empty: the format defaults).
+        The torch ops take the choices in this spelling (a schema has no dataclass type)."""
+        fields = {"scale_floor": ScaleFloor, "fp4_zero": Fp4Zero, "rotated_row": RotatedRow}
+        out = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = part.partition("=")
+            kind = fields.get(key.strip())
+            values = [v.value for v in kind] if kind else []
+            if kind is None or value.strip() not in values:
+                choices = "; ".join(f"{k}={'|'.join(v.value for v in e)}" for k, e in fields.items())
+                raise NumericsError(f"numerics {part!r} is not a parity choice; choices: {choices}")
+            out[key.strip()] = kind(value.strip())
+        return cls(**out)
+
+    @classmethod
+    def of(cls, value: Numerics | str | None) -> Numerics | None:
+        """A Numerics, its string spelling, or None (the format defaults)."""
+        if value is None or isinstance(value, Numerics):
+            return value
+        if isinstance(value, str):
+            return cls.parse(value)
+        raise NumericsError(
+            f"numerics must be a formats.Numerics, its string form or None, got {type(value).__name__}"
+        )
+
+
+class NumericsFlag(enum.IntFlag):
+    """The parity choices as the kernels read them: one run-time int32 argument, `numerics`. A set
+    bit selects the non-vLLM rule; which bits a format honours follows from its `Numerics` fields.
+    Run-time, not a variant axis: each costs a few instructions on data already in registers, while
+    a compile-time axis would multiply the modules (and the build) by up to 8."""
+
+    SCALE_FLOOR = 1  # ScaleFloor.SCALE
+    FP4_POSITIVE_ZERO = 2  # Fp4Zero.POSITIVE
+    FP32_ROTATED_ROW = 4  # RotatedRow.FP32
+
+
+# the bit of each Numerics field, set when the field holds this value
+NUMERICS_FLAGS = {
+    "scale_floor": (ScaleFloor.SCALE, NumericsFlag.SCALE_FLOOR),
+    "fp4_zero": (Fp4Zero.POSITIVE, NumericsFlag.FP4_POSITIVE_ZERO),
+    "rotated_row": (RotatedRow.FP32, NumericsFlag.FP32_ROTATED_ROW),
+}
+
+
+class NumericsError(UnsupportedError, ValueError):
+    """A parity choice that is not spelled right or that the cache format does not have."""
 
 
 NUMERICS_HELP = {
@@ -102,7 +157,6 @@ class CacheFormat:
     # none, the conversion's saturation only) and whether codes are x / s (IEEE division) or x * fl(1/s).
     scale_clamp: tuple[float, float] | None = None
     divide_by_scale: bool = True
-    has_kernel_template: bool = True  # False: reference and codecs only, no generated kernel yet
 
     # ---- per-token byte layout ------------------------------------------------------------
     def dims(self, head_dim: int) -> tuple[int, int]:
@@ -123,16 +177,28 @@ class CacheFormat:
 
     def resolve_numerics(self, numerics: Numerics | None) -> Numerics:
         """The choices in effect: the format's default for every field left None. A ValueError for a
-        choice the format does not have (e.g. a UE8M0 floor on an NVFP4 format)."""
+        choice the format does not have (e.g. a UE8M0 floor on an NVFP4 format) is a NumericsError
+        naming the choices it has."""
+        numerics = Numerics.of(numerics)
         if numerics is None:
             return self.numerics
         out = {}
         for field in Numerics.__dataclass_fields__:
             want, default = getattr(numerics, field), getattr(self.numerics, field)
             if want is not None and default is None:
-                raise ValueError(f"cache format {self.name} has no {field} choice (asked for {want.value})")
+                has = "; ".join(
+                    f"{k}={'|'.join(v.value for v in vs)}" for k, vs in self.numerics_choices().items()
+                )
+                raise NumericsError(
+                    f"cache format {self.name} has no {field} choice (asked for {want.value}); it has: {has}"
+                )
             out[field] = default if want is None else want
         return Numerics(**out)
+
+    def numerics_flags(self, numerics: Numerics | str | None = None) -> int:
+        """The kernels' `numerics` argument for these choices (NumericsFlag bits)."""
+        n = self.resolve_numerics(numerics)
+        return sum(int(flag) for field, (value, flag) in NUMERICS_FLAGS.items() if getattr(n, field) is value)
 
     def numerics_choices(self) -> dict[str, list[enum.Enum]]:
         """Per field the format has, its values, default first."""
@@ -309,7 +375,6 @@ FORMATS: dict[str, CacheFormat] = {
             numerics=Numerics(None, Fp4Zero.POSITIVE, RotatedRow.IO_ROUNDED),
             scale_clamp=(2.0**-9, 448.0),
             divide_by_scale=True,
-            has_kernel_template=False,
         ),
         CacheFormat(
             # DeepSeek-V4 NVFP4 record of FlashInfer's SM120 sparse MLA. Its writer
@@ -335,7 +400,6 @@ FORMATS: dict[str, CacheFormat] = {
             numerics=Numerics(None, Fp4Zero.SIGNED, RotatedRow.IO_ROUNDED),
             scale_clamp=None,
             divide_by_scale=False,
-            has_kernel_template=False,
         ),
     )
 }
@@ -400,7 +464,7 @@ def numerics_rows() -> list[dict]:
         rows.append(
             {
                 "format": f.name,
-                "numerics (default first; pass attn_prologue.formats.Numerics to the reference)": "; ".join(
+                'parity choices (default first; e.g. numerics="scale_floor=scale")': "; ".join(
                     f"{field}: {' | '.join(v.value for v in values)}" for field, values in choices.items()
                 ),
                 "NaN / Inf": f.nan_policy,

@@ -35,8 +35,9 @@ class Launcher:
         return self.config.ctas_per_sm * self.sm_count
 
     def order(self, values: dict) -> tuple:
-        """Every argument by name, in the compiled order (max_ctas defaults to this device's cap)."""
-        values = {"max_ctas": self.max_ctas, **values}
+        """Every argument by name, in the compiled order (max_ctas defaults to this device's cap,
+        numerics to the cache format's default parity choices)."""
+        values = {"max_ctas": self.max_ctas, "numerics": self.variant.format.numerics_flags(), **values}
         missing = [a for a in self.arguments if a not in values]
         extra = sorted(set(values) - set(self.arguments))
         if missing or extra:

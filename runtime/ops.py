@@ -67,18 +67,21 @@ def qnorm_rope_kv_insert(
     q_scale=None,
     write_pad_heads=True,
     checked=True,
+    numerics=None,
     config: LaunchConfig | None = None,
     conversions=None,
     runtime: Runtime | None = None,
 ) -> None:
-    """Validate, pick the variant and config for this device and shape, launch (CUDA tensors)."""
+    """Validate, pick the variant and config for this device and shape, launch (CUDA tensors).
+    `numerics`: the KV path's parity choices (formats.Numerics or its string form; None: the
+    format's defaults)."""
     rt = runtime or default_runtime()
     try:
         n, h, d = q_in.shape
         n_out, p, _ = q_out.shape
         nwh = p if write_pad_heads else h
         key = (q_in.get_device(), q_in.dtype, cache_format, d, h, nwh, cos_sin_cache.shape[1], kv_scale is not None,
-               q_scale is not None, eps, block_size, checked, config, conversions)  # fmt: skip
+               q_scale is not None, eps, block_size, checked, numerics, config, conversions)  # fmt: skip
         shape = rt.calls[key]
         ok = (
             slot_mapping.shape[0] <= n
@@ -99,6 +102,7 @@ def qnorm_rope_kv_insert(
             q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
             q_scale=q_scale, kv_scale=kv_scale,
         )  # fmt: skip
+        flags = get_format(cache_format).numerics_flags(numerics)  # NumericsError for a choice it lacks
         # valid input: the try block computed the key; only the launchers for it were missing
         shape = rt.calls.get(key)
         if shape is None:
@@ -107,6 +111,7 @@ def qnorm_rope_kv_insert(
             shape = rt.calls[key] = shape_calls(
                 launchers, leading(QKV_TENSORS, kv_scale, q_scale), cache_format, d, errors=rt.errors_buffer(device),
                 eps=float(eps), block_size=block_size, n_write_heads=nwh, checked=int(bool(checked)),
+                numerics=flags,
             )  # fmt: skip
     if n == 0:
         return
@@ -138,6 +143,7 @@ def kv_rope_insert(
     eps=1e-6,
     kv_scale=None,
     checked=True,
+    numerics=None,
     config: LaunchConfig | None = None,
     conversions=None,
     runtime: Runtime | None = None,
@@ -148,7 +154,7 @@ def kv_rope_insert(
     try:
         m, d = kv.shape
         key = (kv.get_device(), kv.dtype, cache_format, d, cos_sin_cache.shape[1], bool(norm), kv_scale is not None,
-               eps, block_size, checked, config, conversions)  # fmt: skip
+               eps, block_size, checked, numerics, config, conversions)  # fmt: skip
         shape = rt.calls[key]
         ok = (
             slot_mapping.shape[0] <= m
@@ -167,11 +173,15 @@ def kv_rope_insert(
             kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format,
             norm_weight=norm_weight, eps=eps, kv_scale=kv_scale,
         )  # fmt: skip
+        flags = get_format(cache_format).numerics_flags(numerics)
         shape = rt.calls.get(key)
         if shape is None:
             launchers = rt.launchers(_with_conversions(request, conversions), device, config=config)
             tensors = ("kv", "norm_weight", *KV_TENSORS[1:]) if norm else KV_TENSORS
-            values = dict(errors=rt.errors_buffer(device), block_size=block_size, checked=int(bool(checked)))
+            values = dict(
+                errors=rt.errors_buffer(device), block_size=block_size, checked=int(bool(checked)),
+                numerics=flags,
+            )  # fmt: skip
             if norm:
                 values["eps"] = float(eps)
             shape = rt.calls[key] = shape_calls(

@@ -20,17 +20,18 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import ops, reference, validate
 from .errors import InputError
+from .formats import Numerics, get_format
 
 NAMESPACE = "attn_prologue"
 QKV_SCHEMA = (
     "qnorm_rope_kv_insert(Tensor q_in, Tensor kv, Tensor(a2!) q_out, Tensor(a3!) k_cache, Tensor slot_mapping, "
     'Tensor positions, Tensor cos_sin_cache, float eps, SymInt block_size, str cache_format="fp8_ds_mla", '
-    "Tensor? kv_scale=None, Tensor? q_scale=None) -> ()"
+    'Tensor? kv_scale=None, Tensor? q_scale=None, str numerics="") -> ()'
 )
 KV_SCHEMA = (
     "kv_rope_insert(Tensor kv, Tensor(a1!) k_cache, Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, "
     'SymInt block_size, str cache_format="fp8_ds_mla", Tensor? norm_weight=None, float eps=1e-06, '
-    "Tensor? kv_scale=None) -> ()"
+    'Tensor? kv_scale=None, str numerics="") -> ()'
 )
 _library = torch.library.Library(NAMESPACE, "DEF")  # kept alive: dropping it unregisters the ops
 _library.define(QKV_SCHEMA)
@@ -39,27 +40,29 @@ _library.define(KV_SCHEMA)
 
 # The implementations take the schema's arguments in its order (the dispatcher passes them all).
 # fmt: off
-def _qkv_cpu(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None):
+def _qkv_cpu(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, numerics=""):
     """The PyTorch reference, after the validation the kernels get."""
     validate.check_qkv(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, q_scale=q_scale, kv_scale=kv_scale)
-    reference.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale)
+    num = get_format(cache_format).resolve_numerics(numerics)  # NumericsError before anything is written
+    reference.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=num)
 
 
-def _qkv_cuda(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None):
-    ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale)
+def _qkv_cuda(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, numerics=""):
+    ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=numerics or None)
 
 
 def _qkv_fake(q_in, *_):
     _refuse_meta(q_in)
 
 
-def _kv_cpu(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None):
+def _kv_cpu(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, numerics=""):
     validate.check_kv(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
-    reference.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
+    num = get_format(cache_format).resolve_numerics(numerics)
+    reference.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=num)
 
 
-def _kv_cuda(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None):
-    ops.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
+def _kv_cuda(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, numerics=""):
+    ops.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=numerics or None)
 
 
 def _kv_fake(kv, *_):
@@ -101,16 +104,18 @@ def qnorm_rope_kv_insert(
     q_scale=None,
     *,
     write_pad_heads: bool = True,
+    numerics: Numerics | str | None = None,
 ) -> None:
     """The fused op: writes q_out[:N, :H], zeroes the pad heads [H, P), and inserts rows
     t < len(slot_mapping) with slot >= 0 into k_cache. Nothing is allocated.
     `write_pad_heads=False` skips zeroing the pads in eager mode: only for a q_out whose pads are
-    known to be zero (a buffer only kernels with this H write); bound ops track that themselves."""
+    known to be zero (a buffer only kernels with this H write); bound ops track that themselves.
+    `numerics`: the KV path's parity choices (formats.Numerics or its string form; None: defaults)."""
     # fmt: off
     if q_in.is_cuda and not torch.compiler.is_compiling():
-        ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, write_pad_heads=write_pad_heads)
+        ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, write_pad_heads=write_pad_heads, numerics=numerics)
         return
-    torch.ops.attn_prologue.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale, q_scale)
+    torch.ops.attn_prologue.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale, q_scale, _numerics_text(numerics))
     # fmt: on
 
 
@@ -125,11 +130,19 @@ def kv_rope_insert(
     norm_weight=None,
     eps=1e-6,
     kv_scale=None,
+    *,
+    numerics: Numerics | str | None = None,
 ) -> None:
     """KV-only relatives: RoPE (after an optional weighted RMSNorm), quantize, insert."""
     # fmt: off
     if kv.is_cuda and not torch.compiler.is_compiling():
-        ops.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
+        ops.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=numerics)
         return
-    torch.ops.attn_prologue.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight, eps, kv_scale)
+    torch.ops.attn_prologue.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight, eps, kv_scale, _numerics_text(numerics))
     # fmt: on
+
+
+def _numerics_text(numerics) -> str:
+    """The schema's spelling of the parity choices ("" for the format defaults)."""
+    n = Numerics.of(numerics)
+    return "" if n is None else n.text()

@@ -205,7 +205,7 @@ class Variant:
         names.append("block_size")
         if op is Op.QKV:
             names.append("n_write_heads")
-        names += ["checked", "max_ctas"]
+        names += ["numerics", "checked", "max_ctas"]
         return tuple(names)
 
     def __str__(self) -> str:
@@ -222,8 +222,6 @@ def unsupported_reason(v: Variant) -> str | None:
     """Why a combination is not generated (None: supported). One predicate for the whole space."""
     f = v.format
     d, r = v.head_dim, v.rope_dim
-    if not f.has_kernel_template:
-        return f"{f.name}: no kernel template yet (reference and codecs only)"
     if not (d == 128 or d % 256 == 0):
         return f"head_dim={d}: the lane mapping needs D == 128 or D % 256 == 0"
     if r % 8 != 0 or not 0 < r <= d:
@@ -232,6 +230,15 @@ def unsupported_reason(v: Variant) -> str | None:
         return f"{f.name} stores D={f.head_dim}/R={f.rope_dim} records, not D={d}/R={r}"
     if f.quant_block and f.dims(d)[0] % f.quant_block:
         return f"{f.name}: {f.dims(d)[0]} quantized dims are not a multiple of the block {f.quant_block}"
+    if f.scale is ScaleCode.E4M3 and v.op is Op.KV_NORM:
+        return (
+            f"{f.name}: an NVFP4 MLA record is written from un-normed KV rows (kv_norm is the indexer path)"
+        )
+    if f.scale is ScaleCode.E4M3 and v.op is Op.QKV and not f.rope_tail_bf16:
+        return (
+            f"{f.name}: the V4.1 compressed cache is written by the kv-only writer; "
+            "V4.1's fused qkv call writes the sliding-window cache (mxfp8)"
+        )
     if v.q_out is QOut.FP8 and not v.op.has_q:
         return f"op {v.op.value} writes no Q, so an FP8 Q output does not apply"
     if v.conversions is Conversions.NATIVE and not v.arch.has_native_block_conversions:

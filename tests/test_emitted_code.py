@@ -42,8 +42,8 @@ def expected_store_bits(v: Variant) -> set[int]:
     bits = {{ElementCode.E4M3: 64, ElementCode.E2M1: 32, ElementCode.BF16: 128}[f.element]}  # data: 8 values
     if f.rope_tail_bf16:
         bits.add(128)  # 8 bf16 of the rope tail
-    if f.scale is ScaleCode.UE8M0:
-        bits.add(8)
+    if f.scale in (ScaleCode.UE8M0, ScaleCode.E4M3):
+        bits.add(8)  # scale bytes (and pad bytes)
     elif f.scale is ScaleCode.F32_POW2:
         bits.add(32)
     if v.op.has_q:
@@ -101,9 +101,15 @@ def test_native_conversions_only_in_native_modules(built, v, key):
     assert (meta["ptx"]["cvt_e2m1x2"] > 0) == wants_e2m1 == ("cvt.rn.satfinite.e2m1x2" in ptx)
     if wants_e2m1:
         assert meta["ptx"]["cvt_e2m1x2"] >= 4  # 8 values per 32-bit word, two per cvt
-    # e4m3 is native everywhere: wherever an e4m3 value is written
-    wants_e4m3 = v.format.element is ElementCode.E4M3 or v.q_out is QOut.FP8
+    # e4m3 is native everywhere: wherever an e4m3 value is written (NVFP4: its group scales)
+    nvfp4 = v.format.scale is ScaleCode.E4M3
+    wants_e4m3 = v.format.element is ElementCode.E4M3 or v.q_out is QOut.FP8 or nvfp4
     assert (meta["ptx"]["cvt_e4m3x2"] > 0) == wants_e4m3
+    # an NVFP4 scale is used as its e4m3 value (decoded back exactly), dividing with IEEE rounding
+    # where the format divides (an approximate division misplaces exact ties)
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == nvfp4
+    if nvfp4 and v.format.divide_by_scale:
+        assert "div.rn.f32" in ptx and "div.approx" not in ptx and "div.full" not in ptx
 
 
 @pytest.mark.slow

@@ -392,20 +392,27 @@ def test_unsupported_reason_names_the_cause(variant, words):
         assert w in why, (w, why)
 
 
-ARCH_CONVERSION_FORMATS = {"fp8_ds_mla", "mxfp8", "fp8_token", "mxfp4"}  # UE8M0 or 2^e scales, or E2M1
+ARCH_CONVERSION_FORMATS = {
+    "fp8_ds_mla",
+    "mxfp8",
+    "fp8_token",
+    "mxfp4",
+    "nvfp4_v41",
+    "nvfp4_dsv4",
+}  # UE8M0, 2^e or E2M1
 
 
 def test_supported_space_has_exactly_the_expected_axes():
     space = variant_space()
     per_family = collections.Counter((v.arch.value, v.conversions.value) for v in space)
     assert per_family == {
-        ("sm90", "portable"): 64,
-        ("sm100", "native"): 64,
-        ("sm100", "portable"): 32,
-        ("sm120", "native"): 64,
-        ("sm120", "portable"): 32,
+        ("sm90", "portable"): 72,
+        ("sm100", "native"): 72,
+        ("sm100", "portable"): 40,
+        ("sm120", "native"): 72,
+        ("sm120", "portable"): 40,
     }
-    assert len(space) == 256
+    assert len(space) == 296
 
     def shape(v):
         return (v.op, v.q_out, v.head_dim, v.rope_dim, v.cache_format, v.io_dtype)
@@ -419,45 +426,51 @@ def test_supported_space_has_exactly_the_expected_axes():
         ]
     }
     first = next(iter(primary.values()))
-    assert all(s == first for s in primary.values())  # every arch family offers the same 64 ops
+    assert all(s == first for s in primary.values())  # every arch family offers the same 72 ops
     assert {(o, q) for o, q, *_ in first} == {
         (Op.QKV, QOut.IO),
         (Op.QKV, QOut.FP8),
         (Op.KV, QOut.IO),
         (Op.KV_NORM, QOut.IO),
     }
-    assert {(f, d, r) for _, _, d, r, f, _ in first} == {
-        ("fp8_ds_mla", 512, 64),
-        ("mxfp8", 512, 64),
-        ("fp8_token", 128, 64),
-        ("mxfp4", 128, 64),
-        ("bf16", 512, 64),
-        ("bf16", 128, 64),
-        ("fp8_tensor", 512, 64),
-        ("fp8_tensor", 128, 64),
+    # per (format, D): the ops; NVFP4 records take no kv_norm, and the V4.1 compressed record no qkv
+    full = {(Op.QKV, QOut.IO), (Op.QKV, QOut.FP8), (Op.KV, QOut.IO), (Op.KV_NORM, QOut.IO)}
+    ops_of = collections.defaultdict(set)
+    for o, q, d, r, f, _ in first:
+        ops_of[(f, d, r)].add((o, q))
+    assert ops_of == {
+        ("fp8_ds_mla", 512, 64): full,
+        ("mxfp8", 512, 64): full,
+        ("fp8_token", 128, 64): full,
+        ("mxfp4", 128, 64): full,
+        ("bf16", 512, 64): full,
+        ("bf16", 128, 64): full,
+        ("fp8_tensor", 512, 64): full,
+        ("fp8_tensor", 128, 64): full,
+        ("nvfp4_dsv4", 512, 64): full - {(Op.KV_NORM, QOut.IO)},
+        ("nvfp4_v41", 512, 64): {(Op.KV, QOut.IO)},
     }
     assert {s[5] for s in first} == set(IoDtype)
-    assert len(first) == 4 * 8 * 2
+    assert len(first) == (4 * 8 + 3 + 1) * 2
     for arch in (ArchFamily.SM100, ArchFamily.SM120):
         portable = {shape(v) for v in space if v.arch is arch and v.conversions is Conversions.PORTABLE}
         assert portable == {s for s in first if s[4] in ARCH_CONVERSION_FORMATS}
     assert {v.cache_format for v in space if v.uses_arch_conversions} == ARCH_CONVERSION_FORMATS
-    assert {v.cache_format for v in space} == KERNEL_FORMATS
+    assert {v.cache_format for v in space} == set(FORMATS)
 
 
-KERNEL_FORMATS = {"fp8_ds_mla", "mxfp8", "fp8_token", "mxfp4", "bf16", "fp8_tensor"}
-
-
-@pytest.mark.parametrize("name", ["nvfp4_v41", "nvfp4_dsv4"])
-def test_reference_only_formats_are_not_generated(name):
-    """Formats with codecs and a reference but no kernel template: every combination is refused
-    with that reason, and none is in the registry; the rest of FORMATS is generated."""
-    assert set(FORMATS) - KERNEL_FORMATS == {"nvfp4_v41", "nvfp4_dsv4"}
-    combos = [v for v in variants.all_combinations() if v.cache_format == name]
-    assert combos
-    for v in combos:
-        assert unsupported_reason(v) == f"{name}: no kernel template yet (reference and codecs only)"
-        assert v.name not in generated()
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("kv_norm_d512r64_nvfp4_dsv4_bf16_sm120", "kv_norm is the indexer path"),
+        ("qkv_d512r64_nvfp4_v41_bf16_sm90", "written by the kv-only writer"),
+        ("qkv_q8_d512r64_nvfp4_v41_bf16_sm100", "written by the kv-only writer"),
+    ],
+)
+def test_nvfp4_ops_that_are_not_generated_say_why(name, why):
+    v = parse_name(name)
+    assert why in unsupported_reason(v)
+    assert name not in generated()
 
 
 def test_manifest_registry_and_modules_agree():

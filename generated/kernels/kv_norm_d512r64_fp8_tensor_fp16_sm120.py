@@ -24,6 +24,9 @@ ROWS_PER_PASS = 1  # rows one warp handles at once
 SLOTS = 2  # 128-bit vectors per lane per row
 TAIL_VECTOR = 56  # first vector of the rotated dims [D - R, D)
 
+# ---- parity choices: bits of the run-time `numerics` argument (attn_prologue.formats.NumericsFlag) --
+FP32_ROTATED_ROW = 4
+
 # ---- cache format fp8_tensor (attn_prologue.formats) ------------------------------------
 DATA_BYTES = 512  # D e4m3 values per token
 
@@ -43,6 +46,7 @@ class Arguments(NamedTuple):
     errors: cute.Tensor
     eps: Float32
     block_size: Int32
+    numerics: Int32
     checked: Int32
     max_ctas: Int32
 
@@ -77,6 +81,7 @@ class Kernel:
         errors: cute.Tensor,
         eps: Float32,
         block_size: Int32,
+        numerics: Int32,
         checked: Int32,
         max_ctas: Int32,
         stream: cuda.CUstream,
@@ -93,7 +98,7 @@ class Kernel:
         if const_expr(self.cfg.persistent):
             grid = cutlass.min(grid, max_ctas)  # warps then stride over the units
         schedule = Schedule(kv_passes, units, spacing)
-        args = Arguments(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, errors, eps, block_size, checked, max_ctas)
+        args = Arguments(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, errors, eps, block_size, numerics, checked, max_ctas)
         self.kernel(args, schedule).launch(
             grid=[grid, 1, 1],
             block=[32 * warps, 1, 1],
@@ -206,7 +211,10 @@ class Kernel:
             for s in range_constexpr(SLOTS):
                 ys[s].store(((xs[s] * rinv) * weights[s].load().to(Float32)).to(IO_DTYPE).to(Float32))
             self.rotate_tail(ys, tables, ok, sub)
-            xr = [ys[s].load().to(IO_DTYPE).to(Float32) for s in range(SLOTS)]  # round through the I/O dtype
+            if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
+                for s in range_constexpr(SLOTS):
+                    ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+            xr = [ys[s].load() for s in range(SLOTS)]
             block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
             if slot > Int64(0x7FFFFFFF):
                 block = slot // Int64(args.block_size)
@@ -234,6 +242,7 @@ def fake_arguments():
         make_fake_compact_tensor(Int32, (2,), assumed_align=4),
         Float32(1e-6),
         Int32(64),
+        Int32(0),
         Int32(0),
         Int32(0),
         make_fake_stream(use_tvm_ffi_env_stream=True),

@@ -26,6 +26,9 @@ TAIL_VECTOR = 8  # first vector of the rotated dims [D - R, D)
 ROW_VECTORS = HEAD_DIM * 2 // 16  # 128-bit vectors in one q_out head row
 PAD_VECTORS_PER_LANE = 8  # a pad pass zeroes 32 * this many vectors of one token's pad heads
 
+# ---- parity choices: bits of the run-time `numerics` argument (attn_prologue.formats.NumericsFlag) --
+FP32_ROTATED_ROW = 4
+
 # ---- cache format bf16 (attn_prologue.formats) ------------------------------------
 DATA_BYTES = 256  # D bf16 values per token
 
@@ -46,6 +49,7 @@ class Arguments(NamedTuple):
     eps: Float32
     block_size: Int32
     n_write_heads: Int32
+    numerics: Int32
     checked: Int32
     max_ctas: Int32
 
@@ -86,6 +90,7 @@ class Kernel:
         eps: Float32,
         block_size: Int32,
         n_write_heads: Int32,
+        numerics: Int32,
         checked: Int32,
         max_ctas: Int32,
         stream: cuda.CUstream,
@@ -107,7 +112,7 @@ class Kernel:
         if const_expr(self.cfg.persistent):
             grid = cutlass.min(grid, max_ctas)  # warps then stride over the units
         schedule = Schedule(q_heads, kv_passes, q_end, passes, pad_chunks, units, spacing)
-        args = Arguments(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, n_write_heads, checked, max_ctas)
+        args = Arguments(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, n_write_heads, numerics, checked, max_ctas)
         self.kernel(args, schedule).launch(
             grid=[grid, 1, 1],
             block=[32 * warps, 1, 1],
@@ -280,7 +285,10 @@ class Kernel:
             for s in range_constexpr(SLOTS):
                 ys[s].store(frags[s].load().to(Float32))
             self.rotate_tail(ys, tables, ok, sub)
-            xr = [ys[s].load().to(IO_DTYPE).to(Float32) for s in range(SLOTS)]  # round through the I/O dtype
+            if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
+                for s in range_constexpr(SLOTS):
+                    ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+            xr = [ys[s].load() for s in range(SLOTS)]
             block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
             if slot > Int64(0x7FFFFFFF):
                 block = slot // Int64(args.block_size)
@@ -309,6 +317,7 @@ def fake_arguments():
         Float32(1e-6),
         Int32(64),
         Int32(64),
+        Int32(0),
         Int32(0),
         Int32(0),
         make_fake_stream(use_tvm_ffi_env_stream=True),

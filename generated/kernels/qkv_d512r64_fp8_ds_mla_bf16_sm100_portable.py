@@ -26,6 +26,10 @@ TAIL_VECTOR = 56  # first vector of the rotated dims [D - R, D)
 ROW_VECTORS = HEAD_DIM * 2 // 16  # 128-bit vectors in one q_out head row
 PAD_VECTORS_PER_LANE = 8  # a pad pass zeroes 32 * this many vectors of one token's pad heads
 
+# ---- parity choices: bits of the run-time `numerics` argument (attn_prologue.formats.NumericsFlag) --
+SCALE_FLOOR = 1
+FP32_ROTATED_ROW = 4
+
 # ---- cache format fp8_ds_mla (attn_prologue.formats) ------------------------------------
 DATA_BYTES = 576  # data record per token
 SCALE_BYTES = 8  # scale record per token, in the block footer after all data records
@@ -60,6 +64,7 @@ class Arguments(NamedTuple):
     eps: Float32
     block_size: Int32
     n_write_heads: Int32
+    numerics: Int32
     checked: Int32
     max_ctas: Int32
 
@@ -100,6 +105,7 @@ class Kernel:
         eps: Float32,
         block_size: Int32,
         n_write_heads: Int32,
+        numerics: Int32,
         checked: Int32,
         max_ctas: Int32,
         stream: cuda.CUstream,
@@ -121,7 +127,7 @@ class Kernel:
         if const_expr(self.cfg.persistent):
             grid = cutlass.min(grid, max_ctas)  # warps then stride over the units
         schedule = Schedule(q_heads, kv_passes, q_end, passes, pad_chunks, units, spacing)
-        args = Arguments(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, n_write_heads, checked, max_ctas)
+        args = Arguments(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, n_write_heads, numerics, checked, max_ctas)
         self.kernel(args, schedule).launch(
             grid=[grid, 1, 1],
             block=[32 * warps, 1, 1],
@@ -294,7 +300,10 @@ class Kernel:
             for s in range_constexpr(SLOTS):
                 ys[s].store(frags[s].load().to(Float32))
             self.rotate_tail(ys, tables, ok, sub)
-            xr = [ys[s].load().to(IO_DTYPE).to(Float32) for s in range(SLOTS)]  # round through the I/O dtype
+            if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
+                for s in range_constexpr(SLOTS):
+                    ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+            xr = [ys[s].load() for s in range(SLOTS)]
             block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
             if slot > Int64(0x7FFFFFFF):
                 block = slot // Int64(args.block_size)
@@ -302,11 +311,14 @@ class Kernel:
             o = slot - block * Int64(args.block_size)
             data = page + o * DATA_BYTES
             scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
-            # amax = max(max|x|, floor) per block; e = ceil(log2(amax / ELEMENT_MAX)); values x * 2^-e
+            # amax = max|x| per block; e = ceil(log2(max(amax, floor) / ELEMENT_MAX)) (SCALE_FLOOR: of max(amax / ELEMENT_MAX, floor)); values x * 2^-e
             for s in range_constexpr(SLOTS):
                 j = s * LANES_PER_ROW + sub
-                amax = cute.math.max(kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK), Float32(AMAX_FLOOR))
-                byte = ue8m0_byte(amax / Float32(ELEMENT_MAX))
+                amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
+                r = cute.math.max(amax, Float32(AMAX_FLOOR)) / Float32(ELEMENT_MAX)
+                if (args.numerics & SCALE_FLOOR) != 0:
+                    r = cute.math.max(amax / Float32(ELEMENT_MAX), Float32(AMAX_FLOOR))
+                byte = ue8m0_byte(r)
                 e = Int32(byte) - 127
                 y = xr[s] * kl.scale_multiplier(e)
                 values = kl.e4m3_vector(y)
@@ -338,6 +350,7 @@ def fake_arguments():
         Float32(1e-6),
         Int32(64),
         Int32(64),
+        Int32(0),
         Int32(0),
         Int32(0),
         make_fake_stream(use_tvm_ffi_env_stream=True),

@@ -208,6 +208,29 @@ def e4m3_vector(values) -> cute.Tensor:
     return frag
 
 
+def e4m3_round(r: Float32):
+    """r -> (its e4m3 byte, that byte's value as float32): cvt.rn.satfinite.e4m3x2.f32 (every target),
+    then back through cvt.rn.f16x2.e4m3x2 (exact: every e4m3 value is a float16)."""
+    pair, value = cute.arch.inline_ptx(
+        "{ .reg .b16 e4pair, e4lo, e4hi; .reg .b32 e4h;\n"
+        " cvt.rn.satfinite.e4m3x2.f32 e4pair, {$r0}, {$r0};\n"
+        " cvt.rn.f16x2.e4m3x2 e4h, e4pair;\n"
+        " mov.b32 {e4lo, e4hi}, e4h;\n"
+        " cvt.f32.f16 {$w1}, e4lo;\n"
+        " mov.b16 {$w0}, e4pair; }",
+        write_only_types=[cutlass.Uint16, Float32],
+        read_only_args=[r],
+    )
+    return Uint32(pair) & Uint32(0xFF), value
+
+
+def e2m1_positive_zeros(word: Uint32) -> Uint32:
+    """Clear the sign of every e2m1 code in `word` whose magnitude is 0 (0x8 -> 0x0): Fp4Zero.POSITIVE."""
+    mag = word & Uint32(0x77777777)
+    nonzero = (mag | (mag >> Uint32(1)) | (mag >> Uint32(2))) & Uint32(0x11111111)
+    return mag | (word & (nonzero << Uint32(3)))
+
+
 def store_byte(addr: Int64, byte_offset: Int64, value):
     cute.make_tensor(gmem_ptr(addr, byte_offset, Uint8, 1), cute.make_layout(1))[0] = Uint8(value)
 

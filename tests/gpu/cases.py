@@ -48,6 +48,9 @@ class Case:
     block_size: int = 64
     m: int | None = None  # None: m = n
     page_pad: int = 0  # extra bytes per block (page stride larger than the data)
+    page_align: int = (
+        16  # the page stride is rounded up to a multiple of this (vLLM: 576 for V4, 512 for V4.1)
+    )
     kv_row_pad: int = 0  # kv is a row slice of a wider tensor with this many extra columns
     extra_rows: int = 3  # q_out rows beyond N (must stay untouched)
     negative_every: int = 0  # every k-th kv row gets slot -1
@@ -59,6 +62,7 @@ class Case:
     seed: int = 0
     max_pos: int = 4096
     in_place: bool = False
+    numerics: str = ""  # parity choices (formats.Numerics spelling); "" = the format's defaults
 
     def __str__(self):
         return (
@@ -66,6 +70,7 @@ class Case:
             f"-bs{self.block_size}"
             + (f"-M{self.m}" if self.m is not None else "")
             + ("-q8" if self.q_fp8 else "")
+            + (f"-[{self.numerics}]" if self.numerics else "")
         )
 
 
@@ -105,9 +110,9 @@ def make_inputs(c: Case, device="cuda") -> Inputs:
     num_blocks = c.num_blocks or max(2, (m + c.block_size - 1) // c.block_size * 2 + 1)
     block_bytes = c.block_size * bpt
     page = block_bytes + c.page_pad
-    page = (page + 15) // 16 * 16
+    page = (page + c.page_align - 1) // c.page_align * c.page_align
     storage = torch.randint(0, 256, (num_blocks, page), generator=g, device=device, dtype=torch.uint8)
-    k_cache = storage[:, :block_bytes] if c.page_pad else storage  # a view: stride(0) > its width
+    k_cache = storage[:, :block_bytes] if page > block_bytes else storage  # a view: stride(0) > its width
     slots = torch.randperm(num_blocks * c.block_size, generator=g, device=device)[:m].to(torch.int64)
     if c.negative_every:
         slots[:: c.negative_every] = -1
@@ -189,6 +194,7 @@ def run_reference(x: Inputs, order="kernel", write_pad_heads=True) -> Inputs:
             q_scale=r.q_scale,
             write_pad_heads=write_pad_heads,
             order=order,
+            numerics=c.numerics,
         )
     else:
         reference.kv_rope_insert(
@@ -203,6 +209,7 @@ def run_reference(x: Inputs, order="kernel", write_pad_heads=True) -> Inputs:
             eps=1e-6,
             kv_scale=r.kv_scale,
             order=order,
+            numerics=c.numerics,
         )
     return r
 
@@ -227,6 +234,7 @@ def run_kernel(x: Inputs, write_pad_heads=True, **kw) -> Inputs:
             kv_scale=r.kv_scale,
             q_scale=r.q_scale,
             write_pad_heads=write_pad_heads,
+            numerics=c.numerics or None,
             **kw,
         )
     else:
@@ -241,6 +249,7 @@ def run_kernel(x: Inputs, write_pad_heads=True, **kw) -> Inputs:
             norm_weight=r.norm_weight,
             eps=1e-6,
             kv_scale=r.kv_scale,
+            numerics=c.numerics or None,
             **kw,
         )
     return r

@@ -231,6 +231,8 @@ GRAPH_VARIANTS = [
     ("kv_norm", "mxfp4", 128, False),
     ("qkv", "bf16", 128, False),
     ("kv", "fp8_tensor", 512, False),
+    ("qkv", "nvfp4_dsv4", 512, False),
+    ("kv", "nvfp4_v41", 512, False),
 ]
 
 

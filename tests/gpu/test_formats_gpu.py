@@ -1,0 +1,126 @@
+"""The block-scaled records on the GPU with every parity choice: each (format, op) the variant space
+has, each combination of the format's choices (formats.Numerics), block sizes 32/64/48/256 with pages
+padded the way vLLM pads them, DP padding, negative slots, zero / tiny / huge rows, exact E2M1 ties
+and NaN/Inf values. Bit for bit against the reference on fresh random inputs with poisoned outputs
+(the whole cache storage, page padding included, and the whole q_out are compared)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from attn_prologue.formats import FORMATS, Numerics, ScaleCode, get_format
+from attn_prologue.variants import ArchFamily, generated, parse_name
+
+from .cases import Case, compare, describe_mismatch, make_inputs, run_kernel, run_reference
+
+pytestmark = pytest.mark.gpu
+
+BLOCK_SCALED = [
+    n for n, f in FORMATS.items() if f.scale in (ScaleCode.UE8M0, ScaleCode.E4M3, ScaleCode.F32_POW2)
+]
+
+
+def numerics_combinations(fmt_name: str) -> list[str]:
+    """Every combination of the format's choices, in the string spelling the ops take."""
+    choices = get_format(fmt_name).numerics_choices()
+    out = []
+    for values in itertools.product(*choices.values()):
+        out.append(Numerics(**dict(zip(choices, values))).text())
+    return out
+
+
+def ops_for(fmt_name: str) -> list[tuple[str, bool]]:
+    """(op, FP8 q) pairs generated for the format on sm90."""
+    out = set()
+    for name in generated():
+        v = parse_name(name)
+        if v.cache_format == fmt_name and v.arch is ArchFamily.SM90 and v.io_dtype.value == "bf16":
+            out.add((v.op.value, v.q_out.value == "fp8"))
+    return sorted(out)
+
+
+MATRIX = [
+    (fmt, op, q8, num)
+    for fmt in BLOCK_SCALED
+    for op, q8 in ops_for(fmt)
+    for num in numerics_combinations(fmt)
+]
+
+
+def tie_groups(x: torch.Tensor, fmt_name: str) -> None:
+    """Write exact E2M1 ties into the first NoPE groups of every third row: group values t * s for
+    every tie t of the E2M1 grid and a 6 * s that makes s = amax / 6 a power of two (so the NVFP4 scale
+    is exact and x / s hits the tie exactly; the same groups give exact ties under a UE8M0 scale)."""
+    fmt = get_format(fmt_name)
+    if fmt.element.value != "e2m1":
+        return
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], device=x.device)
+    group = torch.cat((ties, -ties)).repeat(fmt.quant_block // 16)  # one block: 8 ties and their negatives
+    for i, s in enumerate((2.0**-3, 1.0, 2.0**4)):
+        rows = x[i::3]
+        width = min(4 * fmt.quant_block, fmt.dims(x.shape[1])[0])
+        rows[:, :width] = (group * s).repeat(width // fmt.quant_block).to(x.dtype)
+
+
+def specials(x: torch.Tensor) -> None:
+    """NaN and +-Inf in the NoPE and rope dims of a few rows; one all-NaN row."""
+    d = x.shape[1]
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    x[3, 7] = float("-inf")
+    x[5, d - 3] = float("nan")  # a rotated dim: RoPE spreads it to its pair
+    x[6, :] = float("nan")
+
+
+def check(case: Case, mutate=None):
+    x = make_inputs(case)
+    if mutate is not None:
+        mutate(x)
+    got = run_kernel(x)
+    want = run_reference(x)
+    torch.cuda.synchronize()
+    diff = compare(got, want)
+    assert all(v == 0 for v in diff.values()), f"{case}: {diff} {describe_mismatch(got, want)}"
+
+
+@pytest.mark.parametrize(
+    "fmt,op,q8,num", MATRIX, ids=[f"{f}-{o}{'-q8' if q else ''}-[{n}]" for f, o, q, n in MATRIX]
+)
+def test_parity_choices_block_sizes_and_edges(fmt, op, q8, num):
+    f = get_format(fmt)
+    d, r = f.head_dim, f.rope_dim
+    align = 512 if fmt in ("mxfp8", "nvfp4_v41") else 576 if fmt == "fp8_ds_mla" else 16
+    base = dict(head_dim=d, rope_dim=r, cache_format=fmt, op=op, q_fp8=q8, numerics=num, h=8, p=16)
+    for i, bs in enumerate((32, 64, 48, 256)):
+        # DP padding (M < N) for qkv, negative slots, zero rows, vLLM-aligned page padding
+        m = 37 if op == "qkv" else None
+        check(
+            Case(
+                n=61,
+                m=m,
+                block_size=bs,
+                page_align=align,
+                negative_every=5,
+                zero_rows=2,
+                seed=100 + i,
+                **base,
+            )
+        )
+    for scale in (1e-6, 1e-3, 3e4):  # tiny (both floors differ), small, huge (scales saturate)
+        check(Case(n=40, block_size=64, zero_rows=1, scale=scale, seed=int(scale * 1e6) % 997, **base))
+    check(Case(n=30, block_size=48, seed=7, **base), mutate=lambda x: tie_groups(x.kv, fmt))
+    check(Case(n=16, block_size=32, seed=8, **{**base, "h": 8, "p": 8}), mutate=lambda x: specials(x.kv))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4_v41", "nvfp4_dsv4"])
+def test_nvfp4_fp16_io(fmt):
+    """fp16 I/O: the rotated row is rounded through fp16 (or not), the bf16 tail from it."""
+    f = get_format(fmt)
+    for num in numerics_combinations(fmt):
+        for scale in (1e-3, 1.0, 300.0):
+            check(
+                Case(n=65, head_dim=f.head_dim, rope_dim=f.rope_dim, cache_format=fmt, dtype="fp16", op="kv",
+                     scale=scale, zero_rows=3, block_size=48, numerics=num, seed=int(scale * 10))
+            )  # fmt: skip
