@@ -229,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--shapes",
         default="targets",
-        choices=["targets", "indexer", "all", "quick", "baseline"],
-        help="which shape set to time (targets: the performance targets' shapes)",
+        choices=["targets", "indexer", "records", "all", "quick", "baseline"],
+        help="which shape set to time (targets: the fp8_ds_mla targets' shapes; records: the V4.1 and NVFP4 records')",
     )
     s.add_argument("--max-tokens", type=int, help="skip shapes with more tokens than this")
     s.add_argument(

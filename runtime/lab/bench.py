@@ -344,4 +344,8 @@ def default_shapes(which: str = "targets") -> list[Shape]:
         for fmt in ("fp8_token", "mxfp4"):
             shapes += [Shape(n=t, h=64, p=64, head_dim=128, cache_format=fmt) for t in (1, 64, 2048, 8192)]
         shapes += [Shape(n=t, h=64, p=64, cache_format="mxfp8") for t in (1, 2048, 8192)]
+    if which in ("records", "all"):  # the V4.1 and NVFP4 records (FORMAT_TARGETS)
+        shapes += [Shape(n=t, h=64, p=64, cache_format="nvfp4_dsv4") for t in (1, 2048, 8192)]
+        for fmt in ("nvfp4_dsv4", "nvfp4_v41", "mxfp8"):
+            shapes += [Shape(n=t, h=64, p=64, cache_format=fmt, op="kv") for t in (1, 2048, 8192)]
     return shapes

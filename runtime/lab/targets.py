@@ -1,5 +1,6 @@
-"""The issue's performance targets as data, checked against a bench result document (`bench --json`,
-or the document bench builds before it prints). H200, bf16, fp8_ds_mla, D=512, block size 64."""
+"""The performance targets as data, checked against a bench result document (`bench --json`, or the
+document bench builds before it prints). H200, bf16, D=512, block size 64: fp8_ds_mla (TARGETS), and
+the V4.1 / NVFP4 records (FORMAT_TARGETS, the `records` shape set)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,38 @@ TARGETS = [
     ),
     ShapeTarget("every shape: speedup over torch.compile", 2.0, "min", "vs_compile", lambda s: True),
 ]
+
+
+def _record(s: dict, op: str) -> bool:
+    return (s["head_dim"], s["block_size"], s["dtype"], s["op"]) == (512, 64, "bf16", op) and s[
+        "cache_format"
+    ] in RECORDS[op]
+
+
+RECORDS = {"qkv": ("nvfp4_dsv4",), "kv": ("nvfp4_dsv4", "nvfp4_v41", "mxfp8")}
+FORMAT_TARGETS = [
+    ShapeTarget(
+        "V4.1/NVFP4 records, T >= 2048 (qkv: 64 heads): of copy",
+        0.95,
+        "min",
+        "of_copy",
+        lambda s: (_record(s, "qkv") and (s["h"], s["p"]) == (64, 64) or _record(s, "kv")) and s["n"] >= 2048,
+    ),
+    ShapeTarget(
+        "V4.1/NVFP4 records, qkv T = 1: us per call",
+        2.0,
+        "max",
+        "us",
+        lambda s: _record(s, "qkv") and s["n"] == 1,
+    ),
+    ShapeTarget(
+        "V4.1/NVFP4 records, kv-only T = 1: us per call",
+        1.6,
+        "max",
+        "us",
+        lambda s: _record(s, "kv") and s["n"] == 1,
+    ),
+]
 # one measurement from a pair of results (same T), and one from the run's host-overhead metadata
 ZERO_ONCE_SPEEDUP = Target("(8,64) zero-once vs write-pads: speedup", 3.0, "min")
 # absolute host time moves 1.5-2x between machines with the same GPU: a host-dependent target
@@ -98,7 +131,7 @@ def check_targets(data: dict) -> list[dict]:
     """One row per (target, shape) plus the zero-once and host-overhead targets, each with met: bool."""
     rows = []
     results = data["results"]
-    for target in TARGETS:
+    for target in TARGETS + FORMAT_TARGETS:
         for r in results:
             m = _measures(r).get(target.metric)
             if target.applies(r["shape"]) and m is not None:
