@@ -237,7 +237,7 @@ class Kernel:
                 j = s * LANES_PER_ROW + sub
                 amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
                 r = amax * Float32(1.0 / ELEMENT_MAX)
-                r = cute.math.min(cute.math.max(r, Float32(SCALE_MIN)), Float32(SCALE_MAX))
+                r = kl.fmin(kl.fmax(r, Float32(SCALE_MIN)), Float32(SCALE_MAX))
                 byte, scale = kl.e4m3_round(r)
                 y = xr[s] / scale  # IEEE division: an exact tie stays a tie
                 packed = e2m1_pack8(y)

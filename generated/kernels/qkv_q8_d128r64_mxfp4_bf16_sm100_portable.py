@@ -47,13 +47,16 @@ def ue8m0_byte(r: Float32) -> Uint32:
 
 def e2m1_code(x: Float32) -> Uint32:
     """float32 -> e2m1 code with round-to-nearest-even and saturation to +-6; NaN -> 0x7.
-    Ties go to the even code: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4."""
-    a = cute.math.absf(x)
-    code = Uint32(0)
-    for threshold, inclusive in ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)):
-        above = (a >= Float32(threshold)) if inclusive else (a > Float32(threshold))
-        code = code + Uint32(cutlass.select_(above, Uint32(1), Uint32(0)))
-    code = code | ((kl.f32_bits(x) >> Uint32(31)) << Uint32(3))
+    Adding 2^22, 2^23 or 2^24 (ulp 0.5, 1, 2: the e2m1 spacing in [0, 2), [2, 4), [4, 6]) rounds
+    min(|x|, 6) to its grid point by the FPU's own nearest-even rounding, and the low mantissa bits
+    of the sum count grid steps: code = bits(sum) - bits(magic) + first code of the range. NaN: min
+    gives 6 (code 7), and the sign is dropped."""
+    a = kl.fmin(cute.math.absf(x), Float32(6.0))  # min.f32 returns 6 for NaN
+    below2 = a < Float32(2.0)
+    below4 = a < Float32(4.0)
+    magic = cutlass.select_(below2, Float32(4194304.0), cutlass.select_(below4, Float32(8388608.0), Float32(16777216.0)))
+    start = cutlass.select_(below2, Uint32(0x4A800000), cutlass.select_(below4, Uint32(0x4B000000 - 2), Uint32(0x4B800000 - 4)))
+    code = (kl.f32_bits(a + magic) - start) | ((kl.f32_bits(x) >> Uint32(28)) & Uint32(8))
     return Uint32(cutlass.select_(x != x, Uint32(0x7), code))
 
 
@@ -335,7 +338,7 @@ class Kernel:
             for s in range_constexpr(SLOTS):
                 j = s * LANES_PER_ROW + sub
                 amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
-                r = cute.math.max(amax, Float32(AMAX_FLOOR)) / Float32(ELEMENT_MAX)
+                r = kl.fmax(amax, Float32(AMAX_FLOOR)) / Float32(ELEMENT_MAX)
                 byte = ue8m0_byte(r)
                 e = Int32(byte) - 127
                 y = xr[s] * kl.scale_multiplier(e)

@@ -315,9 +315,9 @@ class Kernel:
             for s in range_constexpr(SLOTS):
                 j = s * LANES_PER_ROW + sub
                 amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
-                r = cute.math.max(amax, Float32(AMAX_FLOOR)) / Float32(ELEMENT_MAX)
+                r = kl.fmax(amax, Float32(AMAX_FLOOR)) / Float32(ELEMENT_MAX)
                 if (args.numerics & SCALE_FLOOR) != 0:
-                    r = cute.math.max(amax / Float32(ELEMENT_MAX), Float32(AMAX_FLOOR))
+                    r = kl.fmax(amax / Float32(ELEMENT_MAX), Float32(AMAX_FLOOR))
                 byte = ue8m0_byte(r)
                 e = Int32(byte) - 127
                 y = xr[s] * kl.scale_multiplier(e)

@@ -106,6 +106,21 @@ def zero_f32_vector(n: int):
     return frag
 
 
+# ---- float min / max ----------------------------------------------------------------------------
+# PTX max.f32 / min.f32 (one FMNMX): a NaN operand gives the other one, the rule the reference's
+# amax follows. cute.math.max / min lower to a compare-select sequence four times as long.
+def fmax(a: Float32, b: Float32) -> Float32:
+    return cute.arch.inline_ptx(
+        "max.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b]
+    )
+
+
+def fmin(a: Float32, b: Float32) -> Float32:
+    return cute.arch.inline_ptx(
+        "min.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b]
+    )
+
+
 # ---- reductions -------------------------------------------------------------------------------
 def butterfly_sum(value: Float32, lanes: int) -> Float32:
     """Sum over groups of `lanes` adjacent lanes (xor 1, 2, 4, ...); every lane gets the total."""
@@ -120,7 +135,7 @@ def butterfly_max(value: Float32, lanes: int) -> Float32:
     """NaN-ignoring max (max.f32) over groups of `lanes` adjacent lanes."""
     offset = 1
     while offset < lanes:
-        value = cute.math.max(value, cute.arch.shuffle_sync_bfly(value, offset))
+        value = fmax(value, cute.arch.shuffle_sync_bfly(value, offset))
         offset *= 2
     return value
 
@@ -145,7 +160,7 @@ def abs_max(x) -> Float32:
     """NaN-ignoring max |x_i| of one vector."""
     m = Float32(0.0)
     for i in range(VEC):
-        m = cute.math.max(m, cute.math.absf(x[i]))
+        m = fmax(m, cute.math.absf(x[i]))
     return m
 
 
