@@ -134,7 +134,7 @@ def run_tune(args) -> int:
 def run_simulate(args) -> int:
     """One simulated rank; or, with --tp/--dp/--spawn or under torchrun, a run across ranks."""
     across = args.tp is not None or args.dp is not None or args.spawn or simulate.torchrun_env() is not None
-    tp, dp = args.tp or 1, args.dp or 1
+    tp, dp = (1 if n is None else n for n in (args.tp, args.dp))
     if across and args.heads is not None:
         raise InputError(
             "--heads is the one simulated rank's head count; across ranks, --query-heads is sharded over --tp"
@@ -142,7 +142,9 @@ def run_simulate(args) -> int:
     opts = simulate.SimOptions(
         max_num_batched_tokens=args.max_num_batched_tokens,
         padded_heads=args.padded_heads,
-        heads=args.query_heads // tp if across else (args.heads or 16),
+        heads=args.query_heads // max(tp, 1)
+        if across
+        else (16 if args.heads is None else args.heads),  # tp <= 0: refused by check_options
         layers=args.layers,
         block_size=args.block_size,
         micro_batches=args.micro_batches,
@@ -164,10 +166,10 @@ def run_simulate(args) -> int:
     )
     if not across:
         results = simulate.run(opts)
-    elif simulate.torchrun_env() is not None:
-        results = simulate.run_torchrun(opts)
     elif args.spawn:
         results = simulate.run_spawned(opts)
+    elif simulate.torchrun_env() is not None:
+        results = simulate.run_torchrun(opts)
     elif tp * dp == 1:
         results = simulate.run_in_process(opts)
     else:

@@ -22,7 +22,7 @@ import os
 import shlex
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -224,12 +224,12 @@ def _topology(opts: SimOptions, launch: Launch, devices: list[str], sharing: int
         world=launch.world,
         launcher=launch.launcher,
         backend=launch.backend,
+        local_world=launch.local_world,
         devices=list(devices),
         ranks_per_device=sharing,
         memory_budget_bytes=budgets,
         query_heads=opts.query_heads,
         heads_per_rank=opts.heads,
         padded_heads=opts.padded_heads,
-        launch=asdict(launch),
         environment={k: os.environ.get(k) for k in NO_MULTICAST},
     )

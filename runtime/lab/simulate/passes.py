@@ -272,9 +272,9 @@ def _pool_pass_body(opts, plan: Plan, device, budget, pool: ScratchPool, peers, 
         allocations_after_lock=None if stats0 is None else {k: stats1[k] - stats0[k] for k in MEM_KEYS},
         pool_views={"calls": calls, "outside_reservation": outside},
         reserved_bytes_after=int(pool.reserved_bytes),
-        planned_bytes=int(planned),
-        peak_bytes=int(peak),
-        unplanned_peak_bytes=int(peak - planned),
+        planned_bytes=int(planned) if cuda else None,
+        peak_bytes=int(peak) if cuda else None,
+        unplanned_peak_bytes=int(peak - planned) if cuda else None,
         headroom_bytes=budget.headroom(),
     )
     res["no_allocation_after_lock"] = (
@@ -397,10 +397,12 @@ def _check_across_ranks(
     h, d, bs = opts.heads, opts.head_dim, opts.block_size
     out: dict = {}
     tables = {s: alloc.table(s) for s in sorted(alloc.tables)}
-    everyone = peers.gather(tables)
+    k = len(plan.needles)
+    # what each rank holds, seen by all: a group whose ranks disagree skips the collectives that
+    # would need them to agree (byte compare: the same blocks; gather: the same needle count)
+    group = [peers.gather((tables, k))[r] for r in peers.tp_ranks]
     if peers.tp > 1:
-        # every rank of the group sees the same tables, so all compare bytes or none does
-        same = all(everyone[r] == tables for r in peers.tp_ranks)
+        same = all(t == tables for t, _ in group)
         mismatched = compared = 0
         if same:
             used = torch.tensor(_used_blocks(alloc), dtype=torch.int64, device=device)
@@ -410,9 +412,8 @@ def _check_across_ranks(
                     mismatched += peers.tp_mismatches(blocks)
                     compared += blocks.shape[0]
         out["tp_cache"] = dict(tables_equal=same, blocks_compared=compared, mismatched_bytes=mismatched)
-    k = len(plan.needles)
     full = dict(needles=k, q_equal=0, records_equal=0)
-    if k:
+    if k and all(n == k for _, n in group):
         q_full = torch.cat(peers.tp_gather(arena.needle_q[:k].contiguous()), dim=1)  # [k, query_heads, D]
         q_out = torch.empty_like(q_full)  # P = H: a one-process run with every head pads nothing
         cache = torch.zeros((blocks_for(k, bs), kv_all.shape[2]), dtype=torch.uint8, device=device)

@@ -127,7 +127,10 @@ def summary(results: dict) -> str:
             f"random inputs included)",
         ),
         ("allocations after lock", allocations_text(pr)),
-        ("unplanned peak memory", f"{pr['unplanned_peak_bytes']} B"),
+        (
+            "unplanned peak memory",
+            "n/a on the CPU" if pr["unplanned_peak_bytes"] is None else f"{pr['unplanned_peak_bytes']} B",
+        ),
         ("OOM", "none" if pr["oom"] is None else f"step {pr['oom']['step']} layer {pr['oom']['layer']}"),
         (
             "needle recall (bit-exact)",
