@@ -195,11 +195,12 @@ def _rank_main(opts: SimOptions, launch: Launch, local_rank: int, join) -> dict:
         peers = Ranks(opts.tp, opts.dp, opts.timeout_s)
         opts = replace(opts, device=str(device))
         sharing = sum(1 for r in range(launch.local_world) if rank_device(opts, r) == device)
-        if device.type == "cuda" and sharing > 1 and opts.memory_budget_bytes is None:
+        most = peers.max(sharing)  # decided alike on every rank: shared_budget is a collective
+        if device.type == "cuda" and most > 1 and opts.memory_budget_bytes is None:
             opts = replace(opts, memory_budget_bytes=shared_budget(peers, device, sharing))
         devices = peers.gather(str(device))
         budgets = peers.gather(opts.memory_budget_bytes)
-        topology = _topology(opts, launch, devices, max(peers.gather(sharing)), budgets)
+        topology = _topology(opts, launch, devices, most, budgets)
         origin = None
         if peers.rank == 0:
             origin = provenance(device=device)
