@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from ...errors import AttnPrologueError, InputError
 from ..provenance import provenance
 from . import runner
-from .engine import SimOptions, SimulationError, check_options
+from .engine import SimOptions, SimulationError, check_options, on_cpu
 from .ranks import Ranks, Solo
 
 # NVLink multicast off in NCCL, PyTorch and NVSHMEM: on a shared host, a program that uses it can
@@ -73,13 +73,9 @@ def torchrun_env(env=None) -> dict | None:
     )
 
 
-def _on_cpu(opts: SimOptions) -> bool:
-    return opts.device is not None and torch.device(opts.device).type == "cpu"
-
-
 def choose_backend(opts: SimOptions, local_world: int) -> str:
     """opts.backend, checked; by default nccl when each local rank has a GPU of its own, else gloo."""
-    if _on_cpu(opts):
+    if on_cpu(opts):
         return "gloo"
     if opts.device is not None and torch.device(opts.device).index is not None and local_world > 1:
         raise InputError(
@@ -98,7 +94,7 @@ def choose_backend(opts: SimOptions, local_world: int) -> str:
 
 def rank_device(opts: SimOptions, local_rank: int) -> torch.device:
     return (
-        torch.device("cpu") if _on_cpu(opts) else torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.device("cpu") if on_cpu(opts) else torch.device("cuda", local_rank % torch.cuda.device_count())
     )
 
 

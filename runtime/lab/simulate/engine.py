@@ -59,6 +59,11 @@ class SimOptions:
         return ROPE_DIM
 
 
+def on_cpu(opts: SimOptions) -> bool:
+    """Whether the run is the CPU reference path (device "cpu") rather than the kernels."""
+    return opts.device is not None and torch.device(opts.device).type == "cpu"
+
+
 def check_options(opts: SimOptions) -> None:
     """Refuse options no rank can run (InputError), before any process or memory is taken."""
     for name in ("tp", "dp", "heads", "padded_heads", "layers", "seqs", "micro_batches"):
@@ -79,7 +84,7 @@ def check_options(opts: SimOptions) -> None:
         raise InputError(f"kv_fraction must be in (0, 1), got {opts.kv_fraction}")
     if opts.backend not in (None, "gloo", "nccl"):
         raise InputError(f"backend must be gloo or nccl, got {opts.backend!r}")
-    cpu = opts.device is not None and torch.device(opts.device).type == "cpu"
+    cpu = on_cpu(opts)
     if cpu and opts.backend == "nccl":
         raise InputError("the nccl backend needs CUDA tensors: use gloo with device cpu")
     if cpu and opts.memory_budget_bytes is not None:

@@ -41,13 +41,14 @@ def run(opts: SimOptions, peers=None, topology: dict | None = None, origin: dict
         origin = {"device": device_facts(device)}
     if opts.progress:
         prompts, schedule = plan.prompt_lens or [0], plan.schedule
-        where = (
-            f"{topology['world']} ranks (TP {opts.tp} x DP {opts.dp}), rank 0 on {origin['device']['name']}"
-            if topology
-            else origin["device"]["name"]
-        )
+        if topology:
+            world = topology["world"]
+            where = f"{world} rank{'s' if world > 1 else ''} (TP {opts.tp} x DP {opts.dp}), rank 0 on {origin['device']['name']}"
+            mine = f" ({len(plan.prompt_lens)} on rank 0)"
+        else:
+            where, mine = origin["device"]["name"], ""
         print(
-            f"simulate on {where}: {opts.seqs} sequences ({len(plan.prompt_lens)} on rank 0), prompts "
+            f"simulate on {where}: {opts.seqs} sequences{mine}, prompts "
             f"{min(prompts)}..{max(prompts)} tokens, {len(schedule)} steps ({sum(s.kind == 'prefill' for s in schedule)} "
             f"prefill, {opts.decode_steps} decode), {opts.layers} layers, H={opts.heads} P={opts.padded_heads} "
             f"D={opts.head_dim}, max_num_batched_tokens={opts.max_num_batched_tokens}, {len(plan.needles)} needles"
