@@ -139,12 +139,14 @@ def run_simulate(args) -> int:
         raise InputError(
             "--heads is the one simulated rank's head count; across ranks, --query-heads is sharded over --tp"
         )
+    if across:
+        heads = args.query_heads // max(tp, 1)  # tp <= 0 is refused by check_options
+    else:
+        heads = 16 if args.heads is None else args.heads
     opts = simulate.SimOptions(
         max_num_batched_tokens=args.max_num_batched_tokens,
         padded_heads=args.padded_heads,
-        heads=args.query_heads // max(tp, 1)
-        if across
-        else (16 if args.heads is None else args.heads),  # tp <= 0: refused by check_options
+        heads=heads,
         layers=args.layers,
         block_size=args.block_size,
         micro_batches=args.micro_batches,
