@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "simulate",
-        help="play a serving engine on one GPU: pool, KV cache, chunked prefill + decode, needle recall",
+        help="play a serving engine (one GPU, or ranks with --tp/--dp): pool, KV cache, chunked prefill + "
+        "decode, needle recall",
     )
     s.add_argument(
         "--max-num-batched-tokens",
@@ -284,7 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="scheduler token budget per step (pool size)",
     )
     s.add_argument("--padded-heads", type=int, default=64, help="P: heads of the padded Q buffer")
-    s.add_argument("--heads", type=int, default=16, help="H: live heads (64 / TP4)")
+    s.add_argument(
+        "--heads",
+        type=int,
+        help="H: live heads of the one simulated rank (default 16 = 64 / TP4; not with --tp/--dp)",
+    )
     s.add_argument("--layers", type=int, default=43, help="attention layers (DeepSeek-V4-Flash: 43)")
     s.add_argument("--block-size", type=int, default=64, help="tokens per KV-cache block")
     s.add_argument(
@@ -316,6 +321,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--seed", type=int, default=0, help="seed of prompts, inputs and the block allocator")
     s.add_argument("--json", help="write the results here")
+    s.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel ranks: --query-heads are sharded over them (a run across ranks)",
+    )
+    s.add_argument("--dp", type=int, help="data-parallel groups: the sequences are split over them")
+    s.add_argument(
+        "--query-heads",
+        type=int,
+        default=64,
+        help="with --tp/--dp: the model's query heads (each rank runs query-heads / tp of them)",
+    )
+    s.add_argument(
+        "--spawn",
+        action="store_true",
+        help="start the tp x dp ranks as local processes (otherwise run under torchrun, which sets RANK etc.)",
+    )
+    s.add_argument(
+        "--backend",
+        choices=["nccl", "gloo"],
+        help="torch.distributed backend (default: nccl with a GPU per local rank, else gloo: ranks share GPUs)",
+    )
+    s.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: the PyTorch reference on CPU tensors instead of the kernels (no allocating mode)",
+    )
+    s.add_argument(
+        "--timeout-s", type=float, default=600.0, help="how long a rank waits for the others in a collective"
+    )
     s.set_defaults(fn=lab_commands.run_simulate)
 
     s = sub.add_parser(
@@ -346,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.fn in NEEDS_GPU:
+    if args.fn in NEEDS_GPU and getattr(args, "device", "cuda") != "cpu":
         import torch
 
         if not torch.cuda.is_available():

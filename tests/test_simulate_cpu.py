@@ -228,6 +228,8 @@ def pass_results(needles=64, **over):
         "allocations_after_lock": {k: 0 for k in sim.MEM_KEYS}, "unplanned_peak_bytes": 0, "recall": needles,
         "needles": needles, "needle_parts": {"nope_e4m3": needles, "rope_bf16": needles, "scale_ue8m0": needles},
         "q_close": needles, "q_exact": needles, "needle_pads_zero": needles, "pool_pads_zero": True,
+        "stopped_by_another_rank": False, "padding_agreed": True, "blocks_outside_tables_zero": True,
+        "pool_views": {"calls": 16, "outside_reservation": 0},
     }  # fmt: skip
     pool.update(over)
     oom = {"step": 2, "steps": 4, "layer": 1, "tokens": 4096, "requested_bytes": 2**28}
@@ -242,6 +244,11 @@ def pass_results(needles=64, **over):
         ({"recall": 63}, False),
         ({"no_allocation_after_lock": False}, False),
         ({"tokens": 999}, False),
+        ({"blocks_outside_tables_zero": False}, False),
+        ({"padding_agreed": False}, False),
+        ({"full_head": {"needles": 64, "q_equal": 64, "records_equal": 63}}, False),
+        ({"tp_cache": {"tables_equal": True, "blocks_compared": 9, "mismatched_bytes": 1}}, False),
+        ({"tp_cache": {"tables_equal": True, "blocks_compared": 9, "mismatched_bytes": 0}}, True),
     ],
 )
 def test_report_gives_the_verdict_and_the_table(over, passed):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .. import dispatch, tuning
+from ..errors import InputError
 from ..launch import LaunchConfig, all_configs
 from ..variants import generated, parse_name
 from . import bench, plots, simulate, targets, tune
@@ -131,10 +132,21 @@ def run_tune(args) -> int:
 
 
 def run_simulate(args) -> int:
+    """One simulated rank; or, with --tp/--dp/--spawn or under torchrun, a run across ranks."""
+    across = args.tp is not None or args.dp is not None or args.spawn or simulate.torchrun_env() is not None
+    tp, dp = (1 if n is None else n for n in (args.tp, args.dp))
+    if across and args.heads is not None:
+        raise InputError(
+            "--heads is the one simulated rank's head count; across ranks, --query-heads is sharded over --tp"
+        )
+    if across:
+        heads = args.query_heads // max(tp, 1)  # tp <= 0 is refused by check_options
+    else:
+        heads = 16 if args.heads is None else args.heads
     opts = simulate.SimOptions(
         max_num_batched_tokens=args.max_num_batched_tokens,
         padded_heads=args.padded_heads,
-        heads=args.heads,
+        heads=heads,
         layers=args.layers,
         block_size=args.block_size,
         micro_batches=args.micro_batches,
@@ -147,6 +159,24 @@ def run_simulate(args) -> int:
         allocating=args.allocating,
         seed=args.seed,
         json_path=args.json,
+        device=None if args.device == "cuda" else args.device,
+        tp=tp,
+        dp=dp,
+        query_heads=args.query_heads if across else None,
+        backend=args.backend,
+        timeout_s=args.timeout_s,
     )
-    results = simulate.run(opts)
+    if not across:
+        results = simulate.run(opts)
+    elif args.spawn:
+        results = simulate.run_spawned(opts)
+    elif simulate.torchrun_env() is not None:
+        results = simulate.run_torchrun(opts)
+    elif tp * dp == 1:
+        results = simulate.run_in_process(opts)
+    else:
+        raise InputError(
+            f"--tp {tp} --dp {dp} needs {tp * dp} processes: add --spawn to start them here, or start them with "
+            f"torchrun --nproc-per-node {tp * dp} -m attn_prologue simulate ..."
+        )
     return 0 if results["passed"] else 1

@@ -82,7 +82,11 @@ def copied_tree_state() -> dict | None:
 
 
 def device_facts(device=None) -> dict | None:
-    """Name, compute capability and SM count of a CUDA device; None without CUDA."""
+    """Name, compute capability and SM count of a CUDA device (None without CUDA); for a CPU device,
+    the machine and its cores."""
+    if device is not None and torch.device(device).type == "cpu":
+        cores = os.cpu_count()
+        return {"name": f"CPU ({platform.machine()}, {cores} cores)", "cpu_count": cores}
     if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(device)

@@ -12,19 +12,29 @@
    the same memory budget, the KV cache sized without the pool: it runs out of memory, or the
    extra memory it needed is measured.
 
+Across ranks (`--tp N --dp N`, distributed.py): every rank does 1-5 for its DP group's sequences
+and its TP shard of the query heads, with every step padded to the largest token count of any rank
+(an all_reduce MAX, as engines do for DP attention) and the KV cache sized alike on every rank
+(all_reduce MIN); then it checks its cache bytes against the other ranks of its TP group and its
+needles against a one-process run with every query head. On the CPU (device "cpu", gloo) the same
+program runs the PyTorch reference instead of the kernels, without the allocating mode.
+
 engine.py is the engine model (options, prompt lengths, scheduler, block allocator, slot mappings,
 needles, memory arithmetic): it needs no GPU and is tested on the CPU. harness.py and passes.py run
-it on the GPU, report.py writes the result document and the table; `run(SimOptions(...))` does it all.
+it, ranks.py holds what ranks agree on, report.py writes the result document and the table;
+`run(SimOptions(...))` does it all for one process, distributed.py starts and joins the ranks.
 """
 
 from __future__ import annotations
 
-import time
-
-import torch
-
-from ..provenance import provenance
-from . import report
+from .distributed import (
+    NO_MULTICAST,
+    keep_multicast_off,
+    run_in_process,
+    run_spawned,
+    run_torchrun,
+    torchrun_env,
+)
 from .engine import (
     BlockAllocator,
     Chunk,
@@ -36,6 +46,8 @@ from .engine import (
     allocating_failure_budget,
     blocks_for,
     build_schedule,
+    check_options,
+    dp_sequences,
     input_arena_bytes,
     locate_needles,
     make_plan,
@@ -46,12 +58,16 @@ from .engine import (
     select_needles,
     step_slots_positions,
 )
-from .harness import MEM_KEYS
-from .passes import allocating_pass, pool_pass
-from .report import summary
+from .harness import MEM_KEYS, in_reservation
+from .ranks import Ranks, Solo
+from .report import ranks_summary, summary
+from .runner import run
 
 __all__ = [
     "MEM_KEYS",
+    "NO_MULTICAST",
+    "Ranks",
+    "Solo",
     "BlockAllocator",
     "Chunk",
     "Needle",
@@ -62,6 +78,10 @@ __all__ = [
     "allocating_failure_budget",
     "blocks_for",
     "build_schedule",
+    "check_options",
+    "dp_sequences",
+    "in_reservation",
+    "keep_multicast_off",
     "input_arena_bytes",
     "locate_needles",
     "max_position",
@@ -69,50 +89,13 @@ __all__ = [
     "make_plan",
     "pool_bytes",
     "prompt_lengths",
+    "ranks_summary",
     "run",
+    "run_in_process",
+    "run_spawned",
+    "run_torchrun",
     "select_needles",
     "step_slots_positions",
     "summary",
+    "torchrun_env",
 ]
-
-
-def run(opts: SimOptions) -> dict:
-    """Run the simulation on a CUDA device (opts.device, default the current one); returns (and with
-    opts.json_path writes) the result document."""
-    if not torch.cuda.is_available():
-        raise SimulationError("simulate needs a CUDA GPU")
-    if opts.padded_heads < opts.heads:
-        raise SimulationError(f"padded_heads={opts.padded_heads} < heads={opts.heads}")
-    if not 0 < opts.kv_fraction < 1:
-        raise SimulationError(f"kv_fraction must be in (0, 1), got {opts.kv_fraction}")
-    device = torch.device(opts.device) if opts.device else torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    plan = make_plan(opts)
-    origin = provenance(device=device)
-    if opts.progress:
-        prompts, schedule = plan.prompt_lens, plan.schedule
-        print(
-            f"simulate on {origin['device']['name']}: {opts.seqs} sequences, prompts {min(prompts)}..{max(prompts)} "
-            f"tokens, {len(schedule)} steps ({sum(s.kind == 'prefill' for s in schedule)} prefill, {opts.decode_steps} decode), "
-            f"{opts.layers} layers, H={opts.heads} P={opts.padded_heads} D={opts.head_dim}, max_num_batched_tokens="
-            f"{opts.max_num_batched_tokens}, {len(plan.needles)} needles"
-            + (
-                f", memory budget {report.gib(opts.memory_budget_bytes)}"
-                if opts.memory_budget_bytes is not None
-                else ""
-            ),
-            flush=True,
-        )
-    t0 = time.perf_counter()
-    pool = pool_pass(opts, plan, device)
-    allocating = allocating_pass(opts, plan, device) if opts.allocating else None
-    results = report.document(opts, plan, pool, allocating, time.perf_counter() - t0, origin)
-    if opts.progress:
-        print()
-        print(summary(results), flush=True)
-    if opts.json_path:
-        report.write(results, opts.json_path)
-        if opts.progress:
-            print(f"\nresults written to {opts.json_path}")
-    return results

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import AttnPrologueError
+from ...errors import AttnPrologueError, InputError
 
 CACHE_FORMAT = "fp8_ds_mla"
 HEAD_DIM = 512
@@ -41,7 +41,14 @@ class SimOptions:
     eps: float = 1e-6
     json_path: str | None = None
     progress: bool = True
-    device: str | None = None  # default: the current CUDA device
+    device: str | None = None  # default: the current CUDA device; "cpu": the PyTorch reference path
+    # across ranks (ranks.py): TP shards query_heads over tp ranks (heads = query_heads / tp), DP
+    # splits the sequences over dp groups. query_heads None: one rank simulated alone (heads as given)
+    tp: int = 1
+    dp: int = 1
+    query_heads: int | None = None
+    backend: str | None = None  # torch.distributed backend (None: nccl with a GPU per rank, else gloo)
+    timeout_s: float = 600.0  # how long a collective waits for the other ranks
 
     @property
     def head_dim(self) -> int:
@@ -50,6 +57,43 @@ class SimOptions:
     @property
     def rope_dim(self) -> int:
         return ROPE_DIM
+
+
+def on_cpu(opts: SimOptions) -> bool:
+    """Whether the run is the CPU reference path (device "cpu") rather than the kernels."""
+    return opts.device is not None and torch.device(opts.device).type == "cpu"
+
+
+def check_options(opts: SimOptions) -> None:
+    """Refuse options no rank can run (InputError), before any process or memory is taken."""
+    for name in ("tp", "dp", "heads", "padded_heads", "layers", "seqs", "micro_batches"):
+        if getattr(opts, name) <= 0:
+            raise InputError(f"{name} must be positive, got {getattr(opts, name)}")
+    if opts.query_heads is not None:
+        if opts.query_heads % opts.tp:
+            raise InputError(
+                f"query_heads={opts.query_heads} is not divisible by tp={opts.tp}: TP shards whole heads"
+            )
+        if opts.heads * opts.tp != opts.query_heads:
+            raise InputError(f"heads={opts.heads} per rank x tp={opts.tp} != query_heads={opts.query_heads}")
+    elif opts.tp * opts.dp > 1:
+        raise InputError("tp x dp > 1 needs query_heads (the model's query heads, sharded over TP)")
+    if opts.padded_heads < opts.heads:
+        raise InputError(f"padded_heads={opts.padded_heads} < heads={opts.heads} (live heads per rank)")
+    if not 0 < opts.kv_fraction < 1:
+        raise InputError(f"kv_fraction must be in (0, 1), got {opts.kv_fraction}")
+    if opts.backend not in (None, "gloo", "nccl"):
+        raise InputError(f"backend must be gloo or nccl, got {opts.backend!r}")
+    cpu = on_cpu(opts)
+    if cpu and opts.backend == "nccl":
+        raise InputError("the nccl backend needs CUDA tensors: use gloo with device cpu")
+    if cpu and opts.memory_budget_bytes is not None:
+        raise InputError("a memory budget caps the CUDA caching allocator: it cannot be enforced on the CPU")
+
+
+def dp_sequences(seqs: int, dp: int, dp_rank: int) -> list[int]:
+    """The sequences DP group `dp_rank` serves: round robin, as a load balancer hands out requests."""
+    return list(range(dp_rank, seqs, dp))
 
 
 def prompt_lengths(seqs: int, prompt_len: int, jitter: float = 0.05, seed: int = 0) -> list[int]:
@@ -279,29 +323,44 @@ def allocating_failure_budget(opts: SimOptions, margin: float = 0.5) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """What a run plays, fixed before it starts."""
+    """What a run plays, fixed before it starts: one DP group's sequences (all of them with dp=1;
+    sequence numbers in the schedule and the needles index prompt_lens, seq_ids maps them back)."""
 
     prompt_lens: list[int]
     schedule: list[Step]
     needles: list[Needle]
     where: dict[int, dict[int, list[tuple[int, int]]]]  # locate_needles(schedule, needles)
-    max_pos: int
+    max_pos: int  # over every group's sequences: all ranks hold the same cos/sin table
     needed_blocks: int  # KV-cache blocks the schedule's sequences need at their longest
+    seq_ids: tuple[int, ...] = ()  # the global sequence of each prompt
+    # tokens per step once every DP group's batch is padded to the largest (what the ranks' all_reduce
+    # MAX must agree on; the run checks it did); steps past this group's schedule have no real tokens
+    padded_tokens: tuple[int, ...] = ()
 
     @property
     def total_tokens(self) -> int:
         return sum(s.num_tokens for s in self.schedule)
 
 
-def make_plan(opts: SimOptions) -> Plan:
-    prompts = prompt_lengths(opts.seqs, opts.prompt_len, opts.prompt_jitter, opts.seed)
-    schedule = build_schedule(prompts, opts.max_num_batched_tokens, opts.decode_steps)
+def make_plan(opts: SimOptions, dp_rank: int = 0) -> Plan:
+    everyone = prompt_lengths(opts.seqs, opts.prompt_len, opts.prompt_jitter, opts.seed)
+    groups = [dp_sequences(opts.seqs, opts.dp, d) for d in range(opts.dp)]
+    schedules = [
+        build_schedule([everyone[s] for s in g], opts.max_num_batched_tokens, opts.decode_steps)
+        for g in groups
+    ]
+    ids = groups[dp_rank]
+    prompts, schedule = [everyone[s] for s in ids], schedules[dp_rank]
     needles = select_needles(prompts, opts.decode_steps, opts.layers, opts.needles, opts.seed)
+    steps = max(len(sc) for sc in schedules)
+    padded = tuple(max(sc[i].num_tokens if i < len(sc) else 0 for sc in schedules) for i in range(steps))
     return Plan(
         prompt_lens=prompts,
         schedule=schedule,
         needles=needles,
         where=locate_needles(schedule, needles),
-        max_pos=max_position(prompts, opts.decode_steps),
+        max_pos=max_position(everyone, opts.decode_steps),
         needed_blocks=sum(blocks_for(p + opts.decode_steps, opts.block_size) for p in prompts),
+        seq_ids=tuple(ids),
+        padded_tokens=padded,
     )

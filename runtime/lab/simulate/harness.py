@@ -1,23 +1,41 @@
-"""The GPU harness of `simulate`: the memory budget (a cap on the caching allocator), the model's
-fixed buffers, the KV-cache sizing, allocator counters and progress lines."""
+"""The harness of `simulate`: the memory budget (a cap on the CUDA caching allocator; on the CPU, a
+cache sized to the schedule), the model's fixed buffers, the KV-cache sizing the ranks agree on,
+allocator counters, the pool-view check and progress lines."""
 
 from __future__ import annotations
 
 import gc
+import math
 import time
 
 import torch
 
 from ...formats import get_format
-from .engine import CACHE_FORMAT, SimOptions, SimulationError, Step
+from .engine import CACHE_FORMAT, SimOptions, SimulationError
+from .ranks import ALONE
 from .report import gib
 
 MEM_KEYS = ("allocation.all.allocated", "segment.all.allocated", "num_alloc_retries", "num_ooms")
 
 
-def mem_stats(device) -> dict:
+def mem_stats(device) -> dict | None:
+    """The CUDA caching allocator's counters; None on the CPU, which has no such allocator to count."""
+    if device.type != "cuda":
+        return None
     s = torch.cuda.memory_stats(device)
     return {k: int(s.get(k, 0)) for k in MEM_KEYS}
+
+
+def in_reservation(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether `view` lies inside `buffer`'s storage: what a pool that allocates nothing hands out."""
+    lo = buffer.data_ptr()
+    hi = lo + buffer.numel() * buffer.element_size()
+    start = view.data_ptr()
+    return (
+        view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        and lo <= start
+        and start + view.numel() * view.element_size() <= hi
+    )
 
 
 class Budget:
@@ -55,6 +73,32 @@ class Budget:
         if self.limit is not None:
             h = min(h, self.limit - alloc)
         return max(0, int(h))
+
+
+class HostBudget:
+    """The CPU's stand-in for Budget: there is no device memory to size a KV cache from, so it gets
+    twice the blocks the schedule needs (the shuffled block allocator still scatters a sequence's
+    blocks) and nothing is capped."""
+
+    def __init__(self, opts: SimOptions, needed_blocks: int):
+        layer_block = opts.layers * get_format(CACHE_FORMAT).block_bytes(opts.head_dim, opts.block_size)
+        # what size_kv's kv_fraction of it turns into 2 x needed blocks (one more block for rounding)
+        self.free = math.ceil(2 * max(1, needed_blocks) * layer_block / opts.kv_fraction) + layer_block
+
+    def restore(self) -> None:
+        pass
+
+    def free_for_kv(self) -> int:
+        return self.free
+
+    def headroom(self) -> None:
+        return None
+
+
+def make_budget(opts: SimOptions, device, needed_blocks: int):
+    return (
+        Budget(opts.memory_budget_bytes, device) if device.type == "cuda" else HostBudget(opts, needed_blocks)
+    )
 
 
 class Arena:
@@ -98,7 +142,7 @@ class Progress:
         self.t0 = time.perf_counter()
         self.last = -1.0
 
-    def update(self, k: int, tokens_done: int, step: Step) -> None:
+    def update(self, k: int, tokens_done: int, kind: str, n: int) -> None:
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -108,21 +152,25 @@ class Progress:
         self.last = now
         eta = el * (self.tokens - tokens_done) / max(1, tokens_done)
         print(
-            f"[{self.label}] step {k}/{self.steps} {step.kind:7s} N={step.num_tokens:6d}  tokens {tokens_done}/{self.tokens}"
+            f"[{self.label}] step {k}/{self.steps} {kind:7s} N={n:6d}  tokens {tokens_done}/{self.tokens}"
             f"  elapsed {_fmt_time(el)}  ETA {_fmt_time(eta)}",
             flush=True,
         )
 
 
-def size_kv(opts: SimOptions, budget: Budget, needed_blocks: int, label: str) -> dict:
-    """KV-cache blocks for every layer in kv_fraction of the free memory; refuses a cache the
-    schedule's sequences do not fit in."""
+def size_kv(opts: SimOptions, budget, needed_blocks: int, label: str, peers=ALONE) -> dict:
+    """KV-cache blocks for every layer in kv_fraction of the free memory, the fewest any rank can
+    hold (engines size every rank's cache alike: an all_reduce MIN); refuses a cache the schedule's
+    sequences do not fit in. needed_blocks is what every rank checks against (the ranks' MAX), so
+    every rank refuses or none does."""
     fmt = get_format(CACHE_FORMAT)
     block_bytes = fmt.block_bytes(opts.head_dim, opts.block_size)
     free = budget.free_for_kv()
-    num_blocks = int(opts.kv_fraction * free) // (opts.layers * block_bytes)
+    measured = int(opts.kv_fraction * free) // (opts.layers * block_bytes)
+    num_blocks = peers.min(measured)
     info = dict(
         free_bytes=free,
+        num_blocks_measured=measured,
         num_blocks=num_blocks,
         block_bytes=block_bytes,
         kv_bytes=num_blocks * block_bytes * opts.layers,
@@ -143,6 +191,6 @@ def size_kv(opts: SimOptions, budget: Budget, needed_blocks: int, label: str) ->
     return info
 
 
-def fill_inputs(q, kv, gen) -> None:
-    q.normal_(generator=gen)
-    kv.normal_(generator=gen)
+def fill_inputs(q, kv, q_gen, kv_gen) -> None:
+    q.normal_(generator=q_gen)
+    kv.normal_(generator=kv_gen)
