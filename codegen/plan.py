@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attn_prologue.formats import NUMERICS_FLAGS, ElementCode, ScaleCode
-from attn_prologue.variants import Op, QOut, Variant
+from attn_prologue.variants import Op, QFlag, QLayout, QOut, Variant
 
 VEC = 8
 WARP = 32
@@ -39,7 +39,9 @@ def _fakes(v: Variant) -> dict[str, Argument]:
         "q_out": f"make_fake_tensor({q_out_dtype}, {rows3}, assumed_align=16)",
         "norm_weight": f"make_fake_compact_tensor({io}, ({d},), assumed_align=16)",
         "k_cache": f"make_fake_tensor(Uint8, ({sym}, {sym}), (cute.sym_int64(divisibility=16), 1), assumed_align=16)",
-        "slot_mapping": f"make_fake_compact_tensor(Int64, ({sym},), assumed_align=8)",
+        "slot_mapping": (
+            f"make_fake_compact_tensor(Int32 if config.slots32 else Int64, ({sym},), assumed_align=4)"
+        ),
         "positions": f"make_fake_compact_tensor(Int64, ({tokens},), assumed_align=8)",
         "cos_sin_cache": f"make_fake_compact_tensor(Float32, ({sym}, ROPE_DIM), stride_order=(1, 0), assumed_align=16)",
         "kv_scale": "make_fake_compact_tensor(Float32, (1,), assumed_align=4)",
@@ -50,6 +52,8 @@ def _fakes(v: Variant) -> dict[str, Argument]:
         "eps": ("Float32", "Float32(1e-6)"),
         "block_size": ("Int32", "Int32(64)"),
         "n_write_heads": ("Int32", "Int32(64)"),
+        "q_flags": ("Int32", "Int32(0)"),  # variants.QFlag bits: Q steps skipped
+        "compress_ratio": ("Int32", "Int32(1)"),  # KV rows inserted at group boundaries only
         "numerics": ("Int32", "Int32(0)"),  # formats.NumericsFlag bits: the parity choices
         "checked": ("Int32", "Int32(0)"),
         "max_ctas": ("Int32", "Int32(0)"),  # grid cap of persistent configs (SMs x CTAs per SM)
@@ -109,6 +113,8 @@ def make_plan(v: Variant) -> dict:
         "fp4_zero_choice": f.numerics.fp4_zero is not None,
         "needs_e2m1": f.element is ElementCode.E2M1,
         "needs_ue8m0": f.scale in (ScaleCode.UE8M0, ScaleCode.F32_POW2),
+        "q_flags": {flag.name: int(flag) for flag in QFlag} if v.op.has_q else {},
+        "interleaved": v.q_layout is QLayout.INTERLEAVED,
         "signature": sig,
         "shared_symbols": {TOKENS: "cute.sym_int32()"} if v.op is Op.QKV else {},
     }

@@ -1,7 +1,7 @@
 """attn_prologue: generated, architecture-specialized CuTe-DSL kernels for the fused attention
 prologue (Q RMSNorm + RoPE, KV RoPE, block-scaled quantization, paged KV-cache insert).
 
-Serving: `ScratchPool`, `bind` (per layer), or the one-call functions `qnorm_rope_kv_insert` and
+Serving: `ScratchPool`, `bind` / `bind_kv` (per layer), or the one-call functions `qnorm_rope_kv_insert` and
 `kv_rope_insert`; importing the package registers them as torch.ops.attn_prologue.* too. Build:
 `python -m attn_prologue generate | build`. Nothing here imports the DSL compiler or Jinja.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .api import BoundOp, bind
+from .api import BoundKvOp, BoundOp, bind, bind_kv
 from .codecs import decode_cache
 from .dispatch import Runtime, default_runtime
 from .errors import AttnPrologueError, InputError, ScratchError, UnsupportedError
@@ -22,6 +22,7 @@ from .torch_op import kv_rope_insert, qnorm_rope_kv_insert
 __all__ = [
     "FORMATS",
     "AttnPrologueError",
+    "BoundKvOp",
     "BoundOp",
     "InputError",
     "LaunchConfig",
@@ -30,6 +31,7 @@ __all__ = [
     "ScratchPool",
     "UnsupportedError",
     "bind",
+    "bind_kv",
     "decode_cache",
     "default_runtime",
     "get_format",

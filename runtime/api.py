@@ -23,7 +23,7 @@ from .errors import InputError, ScratchError, UnsupportedError
 from .formats import get_format
 from .launch import LaunchConfig
 from .scratch import ScratchPool
-from .variants import IoDtype, Op, QOut, Request
+from .variants import INTERLEAVED_PADDED_HEADS, IoDtype, Op, QLayout, QOut, Request, q_flags
 
 
 class BoundOp:
@@ -46,6 +46,9 @@ class BoundOp:
         q_scale: torch.Tensor | None = None,
         checked: bool = True,
         numerics=None,
+        apply_q_norm: bool = True,
+        apply_q_rope: bool = True,
+        q_layout: str = "head_major",
         device=None,
         config: LaunchConfig | None = None,
         runtime: Runtime | None = None,
@@ -69,7 +72,19 @@ class BoundOp:
             raise InputError(f"cache format {cache_format} needs kv_scale")
         q8 = q_scale is not None
         rt = runtime or default_runtime()
-        request = Request(Op.QKV, head_dim, rope_dim, cache_format, io, QOut.FP8 if q8 else QOut.IO)
+        layout = validate.check_q_layout(q_layout)
+        if layout is QLayout.INTERLEAVED and p not in INTERLEAVED_PADDED_HEADS:
+            raise InputError(
+                f"the interleaved Q layout takes padded_heads in {INTERLEAVED_PADDED_HEADS}, got {p}"
+            )
+        if layout is QLayout.INTERLEAVED and pool is None:
+            raise ScratchError(
+                "an interleaved q_out needs a ScratchPool (it cannot be written in place of q_in)"
+            )
+        request = Request(
+            Op.QKV, head_dim, rope_dim, cache_format, io, QOut.FP8 if q8 else QOut.IO, q_layout=layout
+        )
+        self._request, self._config, self._rt = request, config, rt
         launchers = rt.launchers(request, device, heads=num_heads, config=config)  # UnsupportedError early
         self.errors = rt.errors_buffer(device)
         self.h, self.p, self.head_dim, self.block_size, self.eps = (
@@ -83,18 +98,16 @@ class BoundOp:
         self.checked = 1 if checked else 0
         self.kv_scale, self.q_scale = kv_scale, q_scale
         self.bytes_per_token = fmt.bytes_per_token(head_dim)
-        # per token-count bucket: the kernel and the arguments after the caller's tensors
-        self._calls = [
-            (
-                la.fn,
-                la.tail(
-                    ops.QKV_TENSORS, errors=self.errors, eps=self.eps, block_size=block_size,
-                    n_write_heads=num_heads, checked=self.checked, numerics=flags,
-                    **{n: t for n, t in zip(ops.SCALES, (kv_scale, q_scale)) if t is not None},
-                ),
-            )
-            for la in launchers
-        ]  # fmt: skip
+        self.q_layout = layout
+        # what every call passes after the caller's tensors, by name
+        self._values = dict(
+            errors=self.errors, eps=self.eps, block_size=block_size, n_write_heads=num_heads,
+            checked=self.checked, numerics=flags, q_flags=q_flags(apply_q_norm, apply_q_rope),
+            **{n: t for n, t in zip(ops.SCALES, (kv_scale, q_scale)) if t is not None},
+        )  # fmt: skip
+        # per slot-id dtype, per token-count bucket: the kernel and the arguments after the tensors
+        self._calls_by_dtype = {torch.int64: self._bucket_calls(launchers)}
+        self._slot_dtype, self._calls = torch.int64, self._calls_by_dtype[torch.int64]
         self.in_place = pool is None
         if self.in_place:
             if p != num_heads:
@@ -127,6 +140,19 @@ class BoundOp:
         self._k_cache = None
         self._invalid: str | None = None
 
+    def _bucket_calls(self, launchers) -> list:
+        return [(la.fn, la.tail(ops.QKV_TENSORS, **self._values)) for la in launchers]
+
+    def _use_slot_dtype(self, dtype) -> None:
+        """Switch the calls to this slot-id width (int32 ids: kernels compiled for int32, built on first use)."""
+        calls = self._calls_by_dtype.get(dtype)
+        if calls is None:
+            launchers = self._rt.launchers(
+                self._request, self.device, heads=self.h, config=self._config, slots32=dtype == torch.int32
+            )
+            calls = self._calls_by_dtype[dtype] = self._bucket_calls(launchers)
+        self._slot_dtype, self._calls = dtype, calls
+
     def invalidate(self, reason: str) -> None:
         """The pool retired a buffer this op writes: drop it (so reserved_bytes is what is held) and
         refuse every later call with a ScratchError saying why."""
@@ -147,8 +173,10 @@ class BoundOp:
             or n > self.capacity
             or shape[1] != self.h  # more heads than bound would write over the zero-once pads
             or k_cache is not self._k_cache
+            or slot_mapping.dtype is not self._slot_dtype
         ):
             self._full_check(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch)
+            self._use_slot_dtype(slot_mapping.dtype)
         if self.in_place:
             out, views = q_in, None
         else:
@@ -207,7 +235,7 @@ class BoundOp:
                 q_out = q_out.view(torch.float8_e4m3fn)
         validate.check_qkv(
             q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, self.eps, self.block_size,
-            self.cache_format, q_scale=self.q_scale, kv_scale=self.kv_scale,
+            self.cache_format, q_scale=self.q_scale, kv_scale=self.kv_scale, q_layout=self.q_layout,
         )  # fmt: skip
         self._k_cache = k_cache
 
@@ -215,3 +243,110 @@ class BoundOp:
 def bind(**kwargs) -> BoundOp:
     """Bind qnorm_rope_kv_insert for one layer (see BoundOp for the arguments)."""
     return BoundOp(**kwargs)
+
+
+class BoundKvOp:
+    """kv_rope_insert bound to one layer's cache: the KV-only call (DeepSeek-V4.1 on SM100), the
+    compressed-cache writer (compress_ratio > 1) and, with norm_weight, the indexer-key writer."""
+
+    def __init__(
+        self,
+        *,
+        head_dim: int = 512,
+        rope_dim: int = 64,
+        cache_format: str = "fp8_ds_mla",
+        dtype: torch.dtype = torch.bfloat16,
+        block_size: int,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 1e-6,
+        kv_scale: torch.Tensor | None = None,
+        compress_ratio: int = 1,
+        checked: bool = True,
+        numerics=None,
+        device=None,
+        config: LaunchConfig | None = None,
+        runtime: Runtime | None = None,
+    ):
+        device = torch.device(device) if device is not None else torch.device("cuda")
+        if device.type != "cuda":
+            raise InputError(f"bind_kv() needs a CUDA device, got {device}")
+        if not torch.cuda.is_available():
+            raise UnsupportedError("no CUDA device is available: bind_kv() needs an NVIDIA GPU")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        io = IoDtype.of_torch(dtype)
+        if io is None:
+            raise InputError(f"dtype must be bfloat16 or float16, got {dtype}")
+        validate.check_compress_ratio(cache_format, compress_ratio)
+        fmt = get_format(cache_format)
+        flags = fmt.numerics_flags(numerics)
+        if fmt.needs_tensor_scale and kv_scale is None:
+            raise InputError(f"cache format {cache_format} needs kv_scale")
+        rt = runtime or default_runtime()
+        op = Op.KV_NORM if norm_weight is not None else Op.KV
+        self._request, self._config, self._rt = Request(op, head_dim, rope_dim, cache_format, io), config, rt
+        self.device, self.block_size, self.cache_format, self.eps = (
+            device,
+            block_size,
+            cache_format,
+            float(eps),
+        )
+        self.norm_weight, self.kv_scale, self.compress_ratio = norm_weight, kv_scale, compress_ratio
+        self._lead = (("kv", "norm_weight") if norm_weight is not None else ("kv",)) + ops.KV_TENSORS[1:]
+        values = dict(
+            errors=rt.errors_buffer(device), block_size=block_size, checked=1 if checked else 0,
+            numerics=flags, compress_ratio=compress_ratio, **({"eps": self.eps} if norm_weight is not None else {}),
+            **({"kv_scale": kv_scale} if kv_scale is not None else {}),
+        )  # fmt: skip
+        self._values = values
+        self._calls_by_dtype: dict = {}
+        self._slot_dtype, self._calls = None, None
+        self._use_slot_dtype(torch.int64)  # binds (and self-tests) now: UnsupportedError early
+        self._k_cache = None
+
+    def _use_slot_dtype(self, dtype) -> None:
+        calls = self._calls_by_dtype.get(dtype)
+        if calls is None:
+            launchers = self._rt.launchers(
+                self._request, self.device, config=self._config, slots32=dtype == torch.int32
+            )
+            lead = self._lead + (("kv_scale",) if self.kv_scale is not None else ())
+            values = {k: v for k, v in self._values.items() if k != "kv_scale"}
+            calls = self._calls_by_dtype[dtype] = [(la.fn, la.tail(lead, **values)) for la in launchers]
+        self._slot_dtype, self._calls = dtype, calls
+
+    def __call__(self, kv, k_cache, slot_mapping, positions, cos_sin_cache) -> None:
+        """Insert rows t < len(slot_mapping) (group-boundary rows only with compress_ratio > 1).
+        Checked per call: M <= rows of kv and of positions; the whole argument list when k_cache or
+        the slot-id dtype is not the last call's. The compiled function checks the rest."""
+        m = slot_mapping.shape[0]
+        if (
+            m > kv.shape[0]
+            or m > positions.shape[0]
+            or k_cache is not self._k_cache
+            or slot_mapping.dtype is not self._slot_dtype
+        ):
+            self._full_check(kv, k_cache, slot_mapping, positions, cos_sin_cache)
+            self._use_slot_dtype(slot_mapping.dtype)
+        if m == 0:
+            return
+        fn, tail = self._calls[min((m - 1).bit_length(), MAX_BUCKET_LOG2)]  # bucket_index(m), inlined
+        norm = () if self.norm_weight is None else (self.norm_weight,)
+        scale = () if self.kv_scale is None else (self.kv_scale,)
+        try:
+            fn(kv, *norm, k_cache, slot_mapping, positions, cos_sin_cache, *scale, *tail)
+        except Exception as exc:
+            self._full_check(kv, k_cache, slot_mapping, positions, cos_sin_cache)
+            raise InputError(f"kernel argument check failed: {exc}") from exc
+
+    def _full_check(self, kv, k_cache, slot_mapping, positions, cos_sin_cache) -> None:
+        validate.check_kv(
+            kv, k_cache, slot_mapping, positions, cos_sin_cache, self.block_size, self.cache_format,
+            norm_weight=self.norm_weight, eps=self.eps, kv_scale=self.kv_scale, compress_ratio=self.compress_ratio,
+        )  # fmt: skip
+        self._k_cache = k_cache
+
+
+def bind_kv(**kwargs) -> BoundKvOp:
+    """Bind kv_rope_insert for one layer's cache (see BoundKvOp for the arguments)."""
+    return BoundKvOp(**kwargs)

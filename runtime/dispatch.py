@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -207,14 +207,16 @@ class Runtime:
         heads: int | None = None,
         written: int | None = None,
         config: LaunchConfig | None = None,
+        slots32: bool = False,
     ) -> tuple[Launcher, ...]:
-        """The launcher of every token-count bucket (index = bucket_index(n)); `config` forces one."""
+        """The launcher of every token-count bucket (index = bucket_index(n)); `config` forces one.
+        slots32: compiled for int32 slot ids (the same tuned configs, the other slot width)."""
         facts = self.device(device)
         v = self.variant(request, facts.index)
-        return tuple(
-            self.launcher(v, config or self.config(v, facts.index, 1 << i, heads, written), facts.index)
-            for i in range(MAX_BUCKET_LOG2 + 1)
-        )
+        configs = [
+            config or self.config(v, facts.index, 1 << i, heads, written) for i in range(MAX_BUCKET_LOG2 + 1)
+        ]
+        return tuple(self.launcher(v, replace(c, slots32=slots32), facts.index) for c in configs)
 
 
 def _index(device) -> int:

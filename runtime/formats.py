@@ -157,6 +157,9 @@ class CacheFormat:
     # none, the conversion's saturation only) and whether codes are x / s (IEEE division) or x * fl(1/s).
     scale_clamp: tuple[float, float] | None = None
     divide_by_scale: bool = True
+    # compress_ratio r of the KV-only writers: row t is inserted only when (positions[t] + 1) % r == 0,
+    # its RoPE at positions[t] // r * r. The ratios engines use (V4.1: 1, 2; V4: 4, 128).
+    compress_ratios: tuple[int, ...] = (1, 2, 4, 128)
 
     # ---- per-token byte layout ------------------------------------------------------------
     def dims(self, head_dim: int) -> tuple[int, int]:
@@ -400,6 +403,7 @@ FORMATS: dict[str, CacheFormat] = {
             numerics=Numerics(None, Fp4Zero.SIGNED, RotatedRow.IO_ROUNDED),
             scale_clamp=None,
             divide_by_scale=False,
+            compress_ratios=(1, 2),  # what FlashInfer's SM120 writer takes for this record
         ),
     )
 }

@@ -21,6 +21,9 @@ class LaunchConfig:
     spread_kv: bool = False  # KV CTAs spaced evenly among the Q CTAs instead of all before them
     streaming: bool = False  # q/kv rows loaded and q_out stored with the streaming cache hint (.cs)
     min_ctas_per_sm: int = 0  # k > 0: launch bound .minnctapersm k (registers capped so k CTAs fit on an SM)
+    # int32 slot ids: the compiled signature takes slot_mapping as int32 (the module is the same; the
+    # runtime sets this for callers with int32 ids, so tuned configs serve both widths)
+    slots32: bool = False
 
     def __post_init__(self):
         if self.warps_per_cta not in (1, 2, 4, 8, 16, 32):
@@ -49,11 +52,15 @@ class LaunchConfig:
             k += "_cs"
         if self.min_ctas_per_sm:
             k += f"_m{self.min_ctas_per_sm}"
+        if self.slots32:
+            k += "_s32"
         return k
 
     @classmethod
     def from_key(cls, key: str) -> LaunchConfig:
-        m = re.fullmatch(r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?", key)
+        m = re.fullmatch(
+            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?", key
+        )
         if not m:
             raise ValueError(f"not a launch-config key: {key!r}")
         return cls(
@@ -65,6 +72,7 @@ class LaunchConfig:
             bool(m.group(6)),
             bool(m.group(7)),
             int(m.group(8) or 0),
+            bool(m.group(9)),
         )
 
     def as_dict(self) -> dict:
@@ -76,7 +84,7 @@ class LaunchConfig:
 
 
 def all_configs() -> list[LaunchConfig]:
-    """Every config the template supports (the tuner prunes from these)."""
+    """Every config the template supports (the tuner prunes from these; slot width is the caller's)."""
     return [
         LaunchConfig(w, u, pdl, nc, c, spread, cs, m)
         for w in (1, 2, 4, 8, 16, 32)

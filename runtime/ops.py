@@ -19,7 +19,7 @@ from .dispatch import MAX_BUCKET_LOG2, Runtime, default_runtime
 from .errors import InputError
 from .formats import get_format
 from .launch import LaunchConfig
-from .variants import Conversions
+from .variants import Conversions, q_flags
 
 QKV_TENSORS = ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache")
 KV_TENSORS = ("kv", "k_cache", "slot_mapping", "positions", "cos_sin_cache")
@@ -68,20 +68,25 @@ def qnorm_rope_kv_insert(
     write_pad_heads=True,
     checked=True,
     numerics=None,
+    apply_q_norm=True,
+    apply_q_rope=True,
+    q_layout="head_major",
     config: LaunchConfig | None = None,
     conversions=None,
     runtime: Runtime | None = None,
 ) -> None:
     """Validate, pick the variant and config for this device and shape, launch (CUDA tensors).
     `numerics`: the KV path's parity choices (formats.Numerics or its string form; None: the
-    format's defaults)."""
+    format's defaults). `apply_q_norm` / `apply_q_rope` False skip that Q step; `q_layout`
+    "interleaved" writes FlashMLA's chunk-interleaved Q (variants.QLayout). Slot ids int64 or int32."""
     rt = runtime or default_runtime()
     try:
         n, h, d = q_in.shape
         n_out, p, _ = q_out.shape
         nwh = p if write_pad_heads else h
         key = (q_in.get_device(), q_in.dtype, cache_format, d, h, nwh, cos_sin_cache.shape[1], kv_scale is not None,
-               q_scale is not None, eps, block_size, checked, numerics, config, conversions)  # fmt: skip
+               q_scale is not None, eps, block_size, checked, numerics, apply_q_norm, apply_q_rope, q_layout,
+               slot_mapping.dtype, config, conversions)  # fmt: skip
         shape = rt.calls[key]
         ok = (
             slot_mapping.shape[0] <= n
@@ -100,18 +105,25 @@ def qnorm_rope_kv_insert(
     if not ok:
         request, device, h, p = validate.check_qkv(
             q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
-            q_scale=q_scale, kv_scale=kv_scale,
+            q_scale=q_scale, kv_scale=kv_scale, q_layout=q_layout,
         )  # fmt: skip
         flags = get_format(cache_format).numerics_flags(numerics)  # NumericsError for a choice it lacks
         # valid input: the try block computed the key; only the launchers for it were missing
         shape = rt.calls.get(key)
         if shape is None:
             request = _with_conversions(request, conversions)
-            launchers = rt.launchers(request, device, heads=h, written=nwh, config=config)
+            launchers = rt.launchers(
+                request,
+                device,
+                heads=h,
+                written=nwh,
+                config=config,
+                slots32=slot_mapping.dtype == torch.int32,
+            )
             shape = rt.calls[key] = shape_calls(
                 launchers, leading(QKV_TENSORS, kv_scale, q_scale), cache_format, d, errors=rt.errors_buffer(device),
                 eps=float(eps), block_size=block_size, n_write_heads=nwh, checked=int(bool(checked)),
-                numerics=flags,
+                numerics=flags, q_flags=q_flags(bool(apply_q_norm), bool(apply_q_rope)),
             )  # fmt: skip
     if n == 0:
         return
@@ -125,7 +137,7 @@ def qnorm_rope_kv_insert(
     except Exception as exc:  # TVM-FFI refused an argument before launching: say precisely which
         validate.check_qkv(
             q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
-            q_scale=q_scale, kv_scale=kv_scale,
+            q_scale=q_scale, kv_scale=kv_scale, q_layout=q_layout,
         )  # fmt: skip
         raise InputError(f"kernel argument check failed: {exc}") from exc
 
@@ -144,17 +156,19 @@ def kv_rope_insert(
     kv_scale=None,
     checked=True,
     numerics=None,
+    compress_ratio=1,
     config: LaunchConfig | None = None,
     conversions=None,
     runtime: Runtime | None = None,
 ) -> None:
-    """KV-only relatives: RoPE (after an optional weighted RMSNorm), quantize, insert (CUDA tensors)."""
+    """KV-only relatives: RoPE (after an optional weighted RMSNorm), quantize, insert (CUDA tensors).
+    compress_ratio r > 1: the compressed-cache / indexer-key writers (group-boundary rows only)."""
     rt = runtime or default_runtime()
     norm = () if norm_weight is None else (norm_weight,)
     try:
         m, d = kv.shape
         key = (kv.get_device(), kv.dtype, cache_format, d, cos_sin_cache.shape[1], bool(norm), kv_scale is not None,
-               eps, block_size, checked, numerics, config, conversions)  # fmt: skip
+               eps, block_size, checked, numerics, compress_ratio, slot_mapping.dtype, config, conversions)  # fmt: skip
         shape = rt.calls[key]
         ok = (
             slot_mapping.shape[0] <= m
@@ -171,16 +185,19 @@ def kv_rope_insert(
     if not ok:
         request, device = validate.check_kv(
             kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format,
-            norm_weight=norm_weight, eps=eps, kv_scale=kv_scale,
+            norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, compress_ratio=compress_ratio,
         )  # fmt: skip
         flags = get_format(cache_format).numerics_flags(numerics)
         shape = rt.calls.get(key)
         if shape is None:
-            launchers = rt.launchers(_with_conversions(request, conversions), device, config=config)
+            launchers = rt.launchers(
+                _with_conversions(request, conversions), device, config=config,
+                slots32=slot_mapping.dtype == torch.int32,
+            )  # fmt: skip
             tensors = ("kv", "norm_weight", *KV_TENSORS[1:]) if norm else KV_TENSORS
             values = dict(
                 errors=rt.errors_buffer(device), block_size=block_size, checked=int(bool(checked)),
-                numerics=flags,
+                numerics=flags, compress_ratio=compress_ratio,
             )  # fmt: skip
             if norm:
                 values["eps"] = float(eps)
@@ -197,7 +214,7 @@ def kv_rope_insert(
     except Exception as exc:
         validate.check_kv(
             kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format,
-            norm_weight=norm_weight, eps=eps, kv_scale=kv_scale,
+            norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, compress_ratio=compress_ratio,
         )  # fmt: skip
         raise InputError(f"kernel argument check failed: {exc}") from exc
 

@@ -18,6 +18,7 @@ import torch
 from . import codecs
 from . import numerics as nx
 from .formats import CacheFormat, Numerics, RotatedRow, get_format
+from .variants import QLayout
 
 VEC = 8  # elements per 128-bit access of a 16-bit dtype: the kernels' lane mapping unit
 WARP = 32
@@ -94,32 +95,55 @@ def q_values(
     eps: float,
     *,
     apply_q_norm: bool = True,
+    apply_q_rope: bool = True,
     order: str = "kernel",
 ) -> torch.Tensor:
-    """Normalized and rotated Q [N, H, D] in float32 (not yet rounded)."""
+    """Normalized and rotated Q [N, H, D] in float32 (not yet rounded); either step can be skipped."""
     _check_order(order)
     rope_dim = cos_sin_cache.shape[1]
     x = q_in.to(torch.float32)
     if apply_q_norm:
         x = x * rms_inverse(x, eps, order)
+    if not apply_q_rope:
+        return x
     cos, sin = _cos_sin(cos_sin_cache, positions, rope_dim)
     return rope_tail(x, cos.unsqueeze(1), sin.unsqueeze(1), rope_dim, order)
 
 
-def store_q(q_out: torch.Tensor, q: torch.Tensor, *, q_scale=None, write_pad_heads: bool = True):
-    """Round q [N, H, D] float32 into q_out[:N, :H]; zero heads [H, P) of rows < N."""
-    n, h, _ = q.shape
-    if q_out.dtype == torch.float8_e4m3fn:
+def q_layout_view(q_out: torch.Tensor, n: int, q_layout: QLayout | str = QLayout.HEAD_MAJOR) -> torch.Tensor:
+    """q_out[:n] as [n, P, D] in the layout's element order: head-major is q_out itself; interleaved
+    puts dim d of head h at (d // 16) * P * 16 + h * 16 + d % 16 of the token's P * D elements."""
+    rows = q_out[:n]
+    if QLayout(q_layout) is QLayout.HEAD_MAJOR:
+        return rows
+    p, d = q_out.shape[1], q_out.shape[2]
+    chunks = rows.as_strided((n, d // 16, p, 16), (q_out.stride(0), 16 * p, 16, 1))  # [n, D/16, P, 16]
+    return chunks.permute(0, 2, 1, 3)  # [n, P, D/16, 16]: flatten the last two for [n, P, D]
+
+
+def store_q(
+    q_out: torch.Tensor,
+    q: torch.Tensor,
+    *,
+    q_scale=None,
+    write_pad_heads: bool = True,
+    q_layout: QLayout | str = QLayout.HEAD_MAJOR,
+):
+    """Round q [N, H, D] float32 into q_out's first N rows, heads [0, H) in the layout; zero heads [H, P)."""
+    n, h, d = q.shape
+    fp8 = q_out.dtype == torch.float8_e4m3fn
+    if fp8:
         if q_scale is None:
             raise ValueError("an FP8 q_out needs q_scale (a float32 scale tensor)")
-        raw = q_out.view(torch.uint8)
-        raw[:n, :h] = nx.e4m3_bytes(q / q_scale.to(torch.float32).reshape(()))
-        if write_pad_heads:
-            raw[:n, h:] = 0
-        return
-    q_out[:n, :h] = q.to(q_out.dtype)
+        values = nx.e4m3_bytes(q / q_scale.to(torch.float32).reshape(()))
+    else:
+        values = q.to(q_out.dtype)
+    out = q_layout_view(q_out.view(torch.uint8) if fp8 else q_out, n, q_layout)
+    if QLayout(q_layout) is QLayout.INTERLEAVED:
+        values = values.reshape(n, h, d // 16, 16)
+    out[:, :h] = values
     if write_pad_heads:
-        q_out[:n, h:] = 0
+        out[:, h:] = 0
 
 
 # ---- the KV path ---------------------------------------------------------------------------
@@ -190,6 +214,8 @@ def qnorm_rope_kv_insert(
     kv_scale: torch.Tensor | None = None,
     q_scale: torch.Tensor | None = None,
     apply_q_norm: bool = True,
+    apply_q_rope: bool = True,
+    q_layout: QLayout | str = QLayout.HEAD_MAJOR,
     write_pad_heads: bool = True,
     order: str = "kernel",
     numerics: Numerics | None = None,
@@ -202,10 +228,18 @@ def qnorm_rope_kv_insert(
     n = q_in.shape[0]
     m = slot_mapping.shape[0]
     slots, positions, pos_ok = in_bounds(slot_mapping, positions, k_cache, cos_sin_cache, block_size)
-    q = q_values(q_in, positions[:n], cos_sin_cache, eps, apply_q_norm=apply_q_norm, order=order)
+    q = q_values(
+        q_in,
+        positions[:n],
+        cos_sin_cache,
+        eps,
+        apply_q_norm=apply_q_norm,
+        apply_q_rope=apply_q_rope,
+        order=order,
+    )
     q = torch.where(pos_ok[:n].view(n, 1, 1), q, torch.zeros_like(q))
     vals = kv_values(kv[:m], positions[:m], cos_sin_cache, order=order, rotated_row=num.rotated_row)
-    store_q(q_out, q, q_scale=q_scale, write_pad_heads=write_pad_heads)
+    store_q(q_out, q, q_scale=q_scale, write_pad_heads=write_pad_heads, q_layout=q_layout)
     insert_kv(k_cache, fmt, vals, slots, block_size, kv_scale, num)
 
 
@@ -223,12 +257,19 @@ def kv_rope_insert(
     kv_scale: torch.Tensor | None = None,
     order: str = "kernel",
     numerics: Numerics | None = None,
+    compress_ratio: int = 1,
 ) -> None:
-    """KV-only relatives: RoPE (after an optional weighted RMSNorm) and insert."""
+    """KV-only relatives: RoPE (after an optional weighted RMSNorm) and insert. With compress_ratio
+    r > 1 (the compressed-cache and indexer-key writers) only rows with (positions[t] + 1) % r == 0
+    are inserted, rotated at the group's first position positions[t] // r * r."""
     fmt = get_format(cache_format)
     num = fmt.resolve_numerics(numerics)
     m = slot_mapping.shape[0]
     slots, positions, _ = in_bounds(slot_mapping, positions, k_cache, cos_sin_cache, block_size)
+    if compress_ratio != 1:
+        boundary = (positions[:m] + 1) % compress_ratio == 0  # (out-of-range rows are skipped already)
+        slots = torch.where(boundary, slots, torch.full_like(slots, -1))
+        positions = torch.div(positions, compress_ratio, rounding_mode="floor") * compress_ratio
     vals = kv_values(
         kv[:m],
         positions[:m],

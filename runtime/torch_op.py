@@ -26,12 +26,13 @@ NAMESPACE = "attn_prologue"
 QKV_SCHEMA = (
     "qnorm_rope_kv_insert(Tensor q_in, Tensor kv, Tensor(a2!) q_out, Tensor(a3!) k_cache, Tensor slot_mapping, "
     'Tensor positions, Tensor cos_sin_cache, float eps, SymInt block_size, str cache_format="fp8_ds_mla", '
-    'Tensor? kv_scale=None, Tensor? q_scale=None, str numerics="") -> ()'
+    'Tensor? kv_scale=None, Tensor? q_scale=None, str numerics="", bool apply_q_norm=True, '
+    'bool apply_q_rope=True, str q_layout="head_major") -> ()'
 )
 KV_SCHEMA = (
     "kv_rope_insert(Tensor kv, Tensor(a1!) k_cache, Tensor slot_mapping, Tensor positions, Tensor cos_sin_cache, "
     'SymInt block_size, str cache_format="fp8_ds_mla", Tensor? norm_weight=None, float eps=1e-06, '
-    'Tensor? kv_scale=None, str numerics="") -> ()'
+    'Tensor? kv_scale=None, str numerics="", int compress_ratio=1) -> ()'
 )
 _library = torch.library.Library(NAMESPACE, "DEF")  # kept alive: dropping it unregisters the ops
 _library.define(QKV_SCHEMA)
@@ -40,29 +41,29 @@ _library.define(KV_SCHEMA)
 
 # The implementations take the schema's arguments in its order (the dispatcher passes them all).
 # fmt: off
-def _qkv_cpu(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, numerics=""):
+def _qkv_cpu(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, numerics="", apply_q_norm=True, apply_q_rope=True, q_layout="head_major"):
     """The PyTorch reference, after the validation the kernels get."""
-    validate.check_qkv(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, q_scale=q_scale, kv_scale=kv_scale)
+    validate.check_qkv(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, q_scale=q_scale, kv_scale=kv_scale, q_layout=q_layout)
     num = get_format(cache_format).resolve_numerics(numerics)  # NumericsError before anything is written
-    reference.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=num)
+    reference.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=num, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout)
 
 
-def _qkv_cuda(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, numerics=""):
-    ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=numerics or None)
+def _qkv_cuda(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, numerics="", apply_q_norm=True, apply_q_rope=True, q_layout="head_major"):
+    ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=numerics or None, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout)
 
 
 def _qkv_fake(q_in, *_):
     _refuse_meta(q_in)
 
 
-def _kv_cpu(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, numerics=""):
-    validate.check_kv(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale)
+def _kv_cpu(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, numerics="", compress_ratio=1):
+    validate.check_kv(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, compress_ratio=compress_ratio)
     num = get_format(cache_format).resolve_numerics(numerics)
-    reference.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=num)
+    reference.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=num, compress_ratio=compress_ratio)
 
 
-def _kv_cuda(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, numerics=""):
-    ops.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=numerics or None)
+def _kv_cuda(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, numerics="", compress_ratio=1):
+    ops.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=numerics or None, compress_ratio=compress_ratio)
 
 
 def _kv_fake(kv, *_):
@@ -105,17 +106,22 @@ def qnorm_rope_kv_insert(
     *,
     write_pad_heads: bool = True,
     numerics: Numerics | str | None = None,
+    apply_q_norm: bool = True,
+    apply_q_rope: bool = True,
+    q_layout: str = "head_major",
 ) -> None:
     """The fused op: writes q_out[:N, :H], zeroes the pad heads [H, P), and inserts rows
     t < len(slot_mapping) with slot >= 0 into k_cache. Nothing is allocated.
     `write_pad_heads=False` skips zeroing the pads in eager mode: only for a q_out whose pads are
     known to be zero (a buffer only kernels with this H write); bound ops track that themselves.
-    `numerics`: the KV path's parity choices (formats.Numerics or its string form; None: defaults)."""
+    `numerics`: the KV path's parity choices (formats.Numerics or its string form; None: defaults).
+    `apply_q_norm` / `apply_q_rope` False skip that Q step; `q_layout="interleaved"` writes the
+    chunk-interleaved Q (variants.QLayout)."""
     # fmt: off
     if q_in.is_cuda and not torch.compiler.is_compiling():
-        ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, write_pad_heads=write_pad_heads, numerics=numerics)
+        ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, write_pad_heads=write_pad_heads, numerics=numerics, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout)
         return
-    torch.ops.attn_prologue.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale, q_scale, _numerics_text(numerics))
+    torch.ops.attn_prologue.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale, q_scale, _numerics_text(numerics), apply_q_norm, apply_q_rope, q_layout)
     # fmt: on
 
 
@@ -132,13 +138,16 @@ def kv_rope_insert(
     kv_scale=None,
     *,
     numerics: Numerics | str | None = None,
+    compress_ratio: int = 1,
 ) -> None:
-    """KV-only relatives: RoPE (after an optional weighted RMSNorm), quantize, insert."""
+    """KV-only relatives: RoPE (after an optional weighted RMSNorm), quantize, insert. compress_ratio
+    r > 1: the compressed-cache writer (and, with norm_weight, the indexer-key writer): only rows with
+    (positions[t] + 1) % r == 0 are inserted, rotated at positions[t] // r * r."""
     # fmt: off
     if kv.is_cuda and not torch.compiler.is_compiling():
-        ops.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=numerics)
+        ops.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=numerics, compress_ratio=compress_ratio)
         return
-    torch.ops.attn_prologue.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight, eps, kv_scale, _numerics_text(numerics))
+    torch.ops.attn_prologue.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight, eps, kv_scale, _numerics_text(numerics), compress_ratio)
     # fmt: on
 
 

@@ -9,9 +9,20 @@ from __future__ import annotations
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, UnsupportedError
 from .formats import get_format
-from .variants import ArchFamily, IoDtype, Op, QOut, Request, find
+from .variants import (
+    INTERLEAVED_PADDED_HEADS,
+    ArchFamily,
+    IoDtype,
+    Op,
+    QLayout,
+    QOut,
+    Request,
+    find,
+)
+
+SLOT_DTYPES = (torch.int64, torch.int32)
 
 FP8 = torch.float8_e4m3fn
 
@@ -106,12 +117,12 @@ def check_common(
         _check_cuda(name, t, device)
     _check_rows("kv", kv, 2, head_dim, io_dtype)
     if (
-        slot_mapping.dtype != torch.int64
+        slot_mapping.dtype not in SLOT_DTYPES
         or slot_mapping.dim() != 1
         or (slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1)
     ):
         _fail(
-            f"slot_mapping must be a contiguous 1-D int64 tensor, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+            f"slot_mapping must be a contiguous 1-D int64 or int32 tensor, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
         )
     if (
         positions.dtype != torch.int64
@@ -193,8 +204,10 @@ def check_qkv(
     *,
     q_scale=None,
     kv_scale=None,
+    q_layout: QLayout | str = QLayout.HEAD_MAJOR,
 ):
     """Validate a qnorm_rope_kv_insert call; returns (request, device, H, P)."""
+    layout = check_q_layout(q_layout)
     if not isinstance(q_in, torch.Tensor):
         _fail(f"q_in must be a torch.Tensor, got {type(q_in).__name__}")
     device = q_in.device
@@ -244,7 +257,16 @@ def check_qkv(
         _check_scale("q_scale", q_scale, device)
     if not isinstance(eps, (float, int)) or not eps >= 0:
         _fail(f"eps must be a non-negative float, got {eps!r}")
-    request = Request(Op.QKV, d, rope_dim, cache_format, io, QOut.FP8 if q_scale is not None else QOut.IO)
+    if layout is QLayout.INTERLEAVED:
+        if p not in INTERLEAVED_PADDED_HEADS:
+            _fail(
+                f"the interleaved Q layout is read by kernels that take P in {INTERLEAVED_PADDED_HEADS} heads, got P={p}"
+            )
+        if q_out.data_ptr() == q_in.data_ptr():
+            _fail("an interleaved q_out cannot be written in place of q_in")
+    request = Request(
+        Op.QKV, d, rope_dim, cache_format, io, QOut.FP8 if q_scale is not None else QOut.IO, q_layout=layout
+    )
     check_supported(request)
     check_common(
         kv=kv,
@@ -280,7 +302,9 @@ def check_kv(
     norm_weight=None,
     eps=1e-6,
     kv_scale=None,
+    compress_ratio=1,
 ):
+    check_compress_ratio(cache_format, compress_ratio)
     if not isinstance(kv, torch.Tensor):
         _fail(f"kv must be a torch.Tensor, got {type(kv).__name__}")
     io = IoDtype.of_torch(kv.dtype)
@@ -319,3 +343,22 @@ def check_kv(
               "kv_scale": kv_scale, "norm_weight": norm_weight}  # fmt: skip
     check_disjoint({"k_cache": k_cache}, inputs)
     return request, kv.device
+
+
+def check_q_layout(q_layout) -> QLayout:
+    try:
+        return QLayout(q_layout)
+    except ValueError:
+        raise InputError(
+            f"q_layout must be one of {', '.join(x.value for x in QLayout)}, got {q_layout!r}"
+        ) from None
+
+
+def check_compress_ratio(cache_format: str, compress_ratio) -> None:
+    """A ratio the format's compressed writers take (formats.CacheFormat.compress_ratios)."""
+    ratios = get_format(cache_format).compress_ratios
+    if type(compress_ratio) is not int or compress_ratio not in ratios:
+        raise UnsupportedError(
+            f"compress_ratio={compress_ratio!r} is not one {cache_format} caches are written with; "
+            f"supported: {', '.join(map(str, ratios))}"
+        )

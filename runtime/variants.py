@@ -41,6 +41,35 @@ class QOut(enum.Enum):
         return "_q8" if self is QOut.FP8 else ""
 
 
+class QLayout(enum.Enum):
+    """Where q_out's values go within one token's P * D elements."""
+
+    HEAD_MAJOR = "head_major"  # [P, D]: head h, dim d at h * D + d
+    INTERLEAVED = "interleaved"  # [D / 16, P, 16]: dim d of head h at (d // 16) * P * 16 + h * 16 + d % 16
+
+    @property
+    def name_part(self) -> str:
+        return "_qi" if self is QLayout.INTERLEAVED else ""
+
+
+# The interleaved layout is FlashMLA's fused Q input on SM100 (vLLM's `is_q_interleaved`): generated for
+# the caches it reads there, bf16 I/O, and the padded head counts its kernels take.
+INTERLEAVED_FORMATS = ("fp8_ds_mla", "mxfp8")
+INTERLEAVED_PADDED_HEADS = (64, 128)
+
+
+class QFlag(enum.IntFlag):
+    """The qkv op's run-time Q switches: bits of its `q_flags` argument (a set bit skips a step).
+    Run-time, not variant axes: a skipped step is a uniform branch around work the kernel would do."""
+
+    NO_NORM = 1  # apply_q_norm=False: Q is already normalized (DeepSeek-V4.1)
+    NO_ROPE = 2  # apply_q_rope=False: the attention kernel rotates Q itself
+
+
+def q_flags(apply_q_norm: bool = True, apply_q_rope: bool = True) -> int:
+    return (0 if apply_q_norm else QFlag.NO_NORM) | (0 if apply_q_rope else QFlag.NO_ROPE)
+
+
 class IoDtype(enum.Enum):
     BF16 = "bf16"
     FP16 = "fp16"
@@ -157,12 +186,13 @@ class Variant:
     io_dtype: IoDtype
     arch: ArchFamily
     conversions: Conversions
+    q_layout: QLayout = QLayout.HEAD_MAJOR
 
     @cached_property
     def name(self) -> str:
         portable = self.conversions is Conversions.PORTABLE and self.arch.has_native_block_conversions
         return (
-            f"{self.op.value}{self.q_out.name_part}_d{self.head_dim}r{self.rope_dim}_{self.cache_format}"
+            f"{self.op.value}{self.q_out.name_part}{self.q_layout.name_part}_d{self.head_dim}r{self.rope_dim}_{self.cache_format}"
             f"_{self.io_dtype.value}_{self.arch.value}{'_portable' if portable else ''}"
         )
 
@@ -204,7 +234,9 @@ class Variant:
             names.append("eps")
         names.append("block_size")
         if op is Op.QKV:
-            names.append("n_write_heads")
+            names += ["n_write_heads", "q_flags"]
+        else:
+            names.append("compress_ratio")
         names += ["numerics", "checked", "max_ctas"]
         return tuple(names)
 
@@ -239,6 +271,14 @@ def unsupported_reason(v: Variant) -> str | None:
             f"{f.name}: the V4.1 compressed cache is written by the kv-only writer; "
             "V4.1's fused qkv call writes the sliding-window cache (mxfp8)"
         )
+    if v.q_layout is QLayout.INTERLEAVED:
+        if not v.op.has_q:
+            return f"op {v.op.value} writes no Q, so a Q layout does not apply"
+        if v.cache_format not in INTERLEAVED_FORMATS or v.io_dtype is not IoDtype.BF16:
+            return (
+                f"the interleaved Q layout is FlashMLA's SM100 input: generated for "
+                f"{', '.join(INTERLEAVED_FORMATS)} with bf16 I/O, not {v.cache_format} / {v.io_dtype.value}"
+            )
     if v.q_out is QOut.FP8 and not v.op.has_q:
         return f"op {v.op.value} writes no Q, so an FP8 Q output does not apply"
     if v.conversions is Conversions.NATIVE and not v.arch.has_native_block_conversions:
@@ -254,10 +294,10 @@ def unsupported_reason(v: Variant) -> str | None:
 
 def all_combinations() -> Iterator[Variant]:
     """Every point of the axes' product, supported or not."""
-    for op, q_out, (d, r), fmt, dt, arch, cv in itertools.product(
-        OPS, Q_OUTS, HEAD_DIMS, sorted(FORMATS), IO_DTYPES, ARCH_FAMILIES, CONVERSIONS
+    for op, q_out, (d, r), fmt, dt, arch, cv, layout in itertools.product(
+        OPS, Q_OUTS, HEAD_DIMS, sorted(FORMATS), IO_DTYPES, ARCH_FAMILIES, CONVERSIONS, tuple(QLayout)
     ):
-        yield Variant(op, q_out, d, r, fmt, dt, arch, cv)
+        yield Variant(op, q_out, d, r, fmt, dt, arch, cv, layout)
 
 
 def _alternatives(values) -> str:
@@ -265,7 +305,7 @@ def _alternatives(values) -> str:
 
 
 _NAME = re.compile(
-    rf"(?P<op>{_alternatives(o.value for o in Op)})(?P<q8>_q8)?_d(?P<d>\d+)r(?P<r>\d+)"
+    rf"(?P<op>{_alternatives(o.value for o in Op)})(?P<q8>_q8)?(?P<qi>_qi)?_d(?P<d>\d+)r(?P<r>\d+)"
     rf"_(?P<fmt>{_alternatives(FORMATS)})_(?P<io>{_alternatives(i.value for i in IoDtype)})"
     rf"_(?P<arch>{_alternatives(a.value for a in ArchFamily)})(?P<portable>_portable)?"
 )
@@ -286,6 +326,7 @@ def parse_name(name: str) -> Variant:
         IoDtype(m["io"]),
         arch,
         Conversions.PORTABLE if m["portable"] else arch.default_conversions,
+        QLayout.INTERLEAVED if m["qi"] else QLayout.HEAD_MAJOR,
     )
     if v.name != name:
         raise UnsupportedError(f"{name!r} is not a variant name (did you mean {v.name!r}?)")
@@ -303,12 +344,14 @@ class Request:
     io_dtype: IoDtype
     q_out: QOut = QOut.IO
     conversions: Conversions | None = None  # None: the arch's default
+    q_layout: QLayout = QLayout.HEAD_MAJOR
 
     def variant(self, arch: ArchFamily) -> Variant:
         cv = self.conversions or arch.default_conversions
         v = Variant(
-            self.op, self.q_out, self.head_dim, self.rope_dim, self.cache_format, self.io_dtype, arch, cv
-        )
+            self.op, self.q_out, self.head_dim, self.rope_dim, self.cache_format, self.io_dtype, arch, cv,
+            self.q_layout,
+        )  # fmt: skip
         if cv is Conversions.PORTABLE and unsupported_reason(v) and arch.has_native_block_conversions:
             v = _replace(
                 v, conversions=Conversions.NATIVE

@@ -29,6 +29,7 @@ from attn_prologue.variants import (
     Conversions,
     IoDtype,
     Op,
+    QLayout,
     QOut,
     Variant,
     generated,
@@ -280,6 +281,7 @@ def test_cache_key_changes_with_variant_config_and_target():
     assert len(paths) == len(others) + 1
     # every LaunchConfig field
     configs = launch.all_configs()
+    configs.append(launch.LaunchConfig(slots32=True))  # the caller's slot width (not swept by the tuner)
     assert len(set(configs)) == len(configs)
     assert all(launch.LaunchConfig.from_key(c.key) == c for c in configs)
     assert len({c.key for c in configs}) == len(configs)
@@ -406,16 +408,16 @@ def test_supported_space_has_exactly_the_expected_axes():
     space = variant_space()
     per_family = collections.Counter((v.arch.value, v.conversions.value) for v in space)
     assert per_family == {
-        ("sm90", "portable"): 72,
-        ("sm100", "native"): 72,
-        ("sm100", "portable"): 40,
-        ("sm120", "native"): 72,
-        ("sm120", "portable"): 40,
+        ("sm90", "portable"): 76,
+        ("sm100", "native"): 76,
+        ("sm100", "portable"): 44,
+        ("sm120", "native"): 76,
+        ("sm120", "portable"): 44,
     }
-    assert len(space) == 296
+    assert len(space) == 316
 
     def shape(v):
-        return (v.op, v.q_out, v.head_dim, v.rope_dim, v.cache_format, v.io_dtype)
+        return (v.op, v.q_out, v.head_dim, v.rope_dim, v.cache_format, v.io_dtype, v.q_layout)
 
     primary = {
         (a, c): {shape(v) for v in space if (v.arch, v.conversions) == (a, c)}
@@ -426,7 +428,7 @@ def test_supported_space_has_exactly_the_expected_axes():
         ]
     }
     first = next(iter(primary.values()))
-    assert all(s == first for s in primary.values())  # every arch family offers the same 72 ops
+    assert all(s == first for s in primary.values())  # every arch family offers the same 76 ops
     assert {(o, q) for o, q, *_ in first} == {
         (Op.QKV, QOut.IO),
         (Op.QKV, QOut.FP8),
@@ -436,8 +438,9 @@ def test_supported_space_has_exactly_the_expected_axes():
     # per (format, D): the ops; NVFP4 records take no kv_norm, and the V4.1 compressed record no qkv
     full = {(Op.QKV, QOut.IO), (Op.QKV, QOut.FP8), (Op.KV, QOut.IO), (Op.KV_NORM, QOut.IO)}
     ops_of = collections.defaultdict(set)
-    for o, q, d, r, f, _ in first:
-        ops_of[(f, d, r)].add((o, q))
+    for o, q, d, r, f, _, layout in first:
+        if layout is QLayout.HEAD_MAJOR:
+            ops_of[(f, d, r)].add((o, q))
     assert ops_of == {
         ("fp8_ds_mla", 512, 64): full,
         ("mxfp8", 512, 64): full,
@@ -450,8 +453,12 @@ def test_supported_space_has_exactly_the_expected_axes():
         ("nvfp4_dsv4", 512, 64): full - {(Op.KV_NORM, QOut.IO)},
         ("nvfp4_v41", 512, 64): {(Op.KV, QOut.IO)},
     }
+    # the interleaved Q layout: qkv (both Q dtypes) for the caches FlashMLA reads on SM100, bf16 I/O
+    assert {(o, q, f, io) for o, q, _, _, f, io, layout in first if layout is QLayout.INTERLEAVED} == {
+        (Op.QKV, q, f, IoDtype.BF16) for q in QOut for f in ("fp8_ds_mla", "mxfp8")
+    }
     assert {s[5] for s in first} == set(IoDtype)
-    assert len(first) == (4 * 8 + 3 + 1) * 2
+    assert len(first) == (4 * 8 + 3 + 1) * 2 + 4
     for arch in (ArchFamily.SM100, ArchFamily.SM120):
         portable = {shape(v) for v in space if v.arch is arch and v.conversions is Conversions.PORTABLE}
         assert portable == {s for s in first if s[4] in ARCH_CONVERSION_FORMATS}

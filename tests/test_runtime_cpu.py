@@ -46,7 +46,7 @@ def test_capabilities_map_to_families_and_targets():
 
 
 def request_of(v: Variant, conversions=None) -> Request:
-    return Request(v.op, v.head_dim, v.rope_dim, v.cache_format, v.io_dtype, v.q_out, conversions)
+    return Request(v.op, v.head_dim, v.rope_dim, v.cache_format, v.io_dtype, v.q_out, conversions, v.q_layout)
 
 
 def test_every_generated_variant_is_found_by_its_request():

@@ -77,6 +77,7 @@ class Arguments(NamedTuple):
     errors: cute.Tensor
     eps: Float32
     block_size: Int32
+    compress_ratio: Int32
     numerics: Int32
     checked: Int32
     max_ctas: Int32
@@ -111,6 +112,7 @@ class Kernel:
         errors: cute.Tensor,
         eps: Float32,
         block_size: Int32,
+        compress_ratio: Int32,
         numerics: Int32,
         checked: Int32,
         max_ctas: Int32,
@@ -128,7 +130,7 @@ class Kernel:
         if const_expr(self.cfg.persistent):
             grid = cutlass.min(grid, max_ctas)  # warps then stride over the units
         schedule = Schedule(kv_passes, units, spacing)
-        args = Arguments(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, numerics, checked, max_ctas)
+        args = Arguments(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, compress_ratio, numerics, checked, max_ctas)
         self.kernel(args, schedule).launch(
             grid=[grid, 1, 1],
             block=[32 * warps, 1, 1],
@@ -227,6 +229,10 @@ class Kernel:
                 if bad & (sub == 0):
                     cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(0), Int32, 4), Int32(1))
                 ok = ok & cutlass.not_(bad)
+            if args.compress_ratio != 1:  # the compressed writers: group-boundary rows only, RoPE at the group's start
+                p32 = Int32(position)  # positions < 2^31 (in range: checked mode skips the others)
+                ok = ok & ((p32 + 1) % args.compress_ratio == 0)
+                position = Int64(p32 // args.compress_ratio * args.compress_ratio)
             tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub)
             rows.append((slot, ok, frags, tables))
         weights = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
@@ -269,19 +275,21 @@ class Kernel:
                         kl.store_byte(scales, Int64(j // LANES_PER_BLOCK), byte)
 
 
-def fake_arguments():
+def fake_arguments(config):
     """Symbolic stand-ins for `Kernel.__call__`'s arguments: what `cute.compile` specializes on.
-    Token counts, head counts, strides and pointers are run-time values; D, R and dtypes are not."""
+    Token counts, head counts, strides and pointers are run-time values; D, R and dtypes are not
+    (the slot ids' width comes from the launch config)."""
     return (
         make_fake_tensor(IO_DTYPE, (cute.sym_int32(), HEAD_DIM), (cute.sym_int64(divisibility=8), 1), assumed_align=16),
         make_fake_compact_tensor(IO_DTYPE, (HEAD_DIM,), assumed_align=16),
         make_fake_tensor(Uint8, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(divisibility=16), 1), assumed_align=16),
-        make_fake_compact_tensor(Int64, (cute.sym_int32(),), assumed_align=8),
+        make_fake_compact_tensor(Int32 if config.slots32 else Int64, (cute.sym_int32(),), assumed_align=4),
         make_fake_compact_tensor(Int64, (cute.sym_int32(),), assumed_align=8),
         make_fake_compact_tensor(Float32, (cute.sym_int32(), ROPE_DIM), stride_order=(1, 0), assumed_align=16),
         make_fake_compact_tensor(Int32, (2,), assumed_align=4),
         Float32(1e-6),
         Int32(64),
+        Int32(1),
         Int32(0),
         Int32(0),
         Int32(0),

@@ -29,6 +29,10 @@ PAD_VECTORS_PER_LANE = 8  # a pad pass zeroes 32 * this many vectors of one toke
 # ---- parity choices: bits of the run-time `numerics` argument (attn_prologue.formats.NumericsFlag) --
 FP32_ROTATED_ROW = 4
 
+# ---- Q switches: bits of the run-time `q_flags` argument (attn_prologue.variants.QFlag) -----------
+NO_NORM = 1
+NO_ROPE = 2
+
 # ---- cache format fp8_tensor (attn_prologue.formats) ------------------------------------
 DATA_BYTES = 128  # D e4m3 values per token
 
@@ -50,6 +54,7 @@ class Arguments(NamedTuple):
     eps: Float32
     block_size: Int32
     n_write_heads: Int32
+    q_flags: Int32
     numerics: Int32
     checked: Int32
     max_ctas: Int32
@@ -92,6 +97,7 @@ class Kernel:
         eps: Float32,
         block_size: Int32,
         n_write_heads: Int32,
+        q_flags: Int32,
         numerics: Int32,
         checked: Int32,
         max_ctas: Int32,
@@ -114,7 +120,7 @@ class Kernel:
         if const_expr(self.cfg.persistent):
             grid = cutlass.min(grid, max_ctas)  # warps then stride over the units
         schedule = Schedule(q_heads, kv_passes, q_end, passes, pad_chunks, units, spacing)
-        args = Arguments(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, errors, eps, block_size, n_write_heads, numerics, checked, max_ctas)
+        args = Arguments(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, errors, eps, block_size, n_write_heads, q_flags, numerics, checked, max_ctas)
         self.kernel(args, schedule).launch(
             grid=[grid, 1, 1],
             block=[32 * warps, 1, 1],
@@ -219,16 +225,19 @@ class Kernel:
                 if bad & (h == 0) & (sub == 0):
                     cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(4), Int32, 4), Int32(1))
                 live = live & cutlass.not_(bad)
-            tables = self.load_tail_cos_sin(live, position, args.cos_sin_cache, sub)
+            tables = self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub)
             rows.append((t, h, valid, live, frags, tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
             t, h, valid, live, frags, tables = rows[u]
             xs = [f.load().to(Float32) for f in frags]
-            rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, args.eps)
             ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
             for s in range_constexpr(SLOTS):
-                ys[s].store(xs[s] * rinv)
-            self.rotate_tail(ys, tables, live, sub)
+                ys[s].store(xs[s])
+            if (args.q_flags & NO_NORM) == 0:
+                rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, args.eps)
+                for s in range_constexpr(SLOTS):
+                    ys[s].store(xs[s] * rinv)
+            self.rotate_tail(ys, tables, live & ((args.q_flags & NO_ROPE) == 0), sub)
             dst = kl.base_address(args.q_out) + (Int64(t) * args.q_out.stride[0] + Int64(h) * HEAD_DIM) * 2
             if valid:
                 for s in range_constexpr(SLOTS):
@@ -304,16 +313,17 @@ class Kernel:
                     kl.store_vector(values, data, Int64((s * LANES_PER_ROW + sub) * VEC), cutlass.Float8E4M3FN, 8)
 
 
-def fake_arguments():
+def fake_arguments(config):
     """Symbolic stand-ins for `Kernel.__call__`'s arguments: what `cute.compile` specializes on.
-    Token counts, head counts, strides and pointers are run-time values; D, R and dtypes are not."""
+    Token counts, head counts, strides and pointers are run-time values; D, R and dtypes are not
+    (the slot ids' width comes from the launch config)."""
     tokens = cute.sym_int32()
     return (
         make_fake_tensor(IO_DTYPE, (tokens, cute.sym_int32(), HEAD_DIM), (cute.sym_int64(divisibility=8), HEAD_DIM, 1), assumed_align=16),
         make_fake_tensor(IO_DTYPE, (tokens, HEAD_DIM), (cute.sym_int64(divisibility=8), 1), assumed_align=16),
         make_fake_tensor(IO_DTYPE, (cute.sym_int32(), cute.sym_int32(), HEAD_DIM), (cute.sym_int64(divisibility=8), HEAD_DIM, 1), assumed_align=16),
         make_fake_tensor(Uint8, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(divisibility=16), 1), assumed_align=16),
-        make_fake_compact_tensor(Int64, (cute.sym_int32(),), assumed_align=8),
+        make_fake_compact_tensor(Int32 if config.slots32 else Int64, (cute.sym_int32(),), assumed_align=4),
         make_fake_compact_tensor(Int64, (tokens,), assumed_align=8),
         make_fake_compact_tensor(Float32, (cute.sym_int32(), ROPE_DIM), stride_order=(1, 0), assumed_align=16),
         make_fake_compact_tensor(Float32, (1,), assumed_align=4),
@@ -321,6 +331,7 @@ def fake_arguments():
         Float32(1e-6),
         Int32(64),
         Int32(64),
+        Int32(0),
         Int32(0),
         Int32(0),
         Int32(0),

@@ -128,7 +128,7 @@ def compile_entry(variant: str, config: LaunchConfig, target: str, out_dir: Path
     with tempfile.TemporaryDirectory(prefix="attn-prologue-dump-") as dump:
         options = f"--gpu-arch {target} --enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir {dump}"
         try:
-            compiled = cute.compile(mod.Kernel(config), *mod.fake_arguments(), options=options)
+            compiled = cute.compile(mod.Kernel(config), *mod.fake_arguments(config), options=options)
         except Exception as exc:  # the DSL raises many types; keep the message, name the entry
             raise CompileError(f"compiling {variant} [{config.key}] for {target} failed: {exc}") from exc
         ptx = compiled.artifacts.PTX

@@ -104,7 +104,7 @@ CASES = {
     "k_cache misaligned": (lambda a: a.update(k_cache=_misaligned(a["k_cache"])), InputError),
     "block_size zero": (lambda a: a.update(block_size=0), InputError),
     "block_size negative": (lambda a: a.update(block_size=-16), InputError),
-    "slot_mapping int32": (lambda a: a.update(slot_mapping=a["slot_mapping"].int()), InputError),
+    "slot_mapping int16": (lambda a: a.update(slot_mapping=a["slot_mapping"].to(torch.int16)), InputError),
     "slot_mapping longer than tokens": (
         lambda a: a.update(slot_mapping=torch.cat((a["slot_mapping"], a["slot_mapping"][:1]))),
         InputError,
