@@ -125,7 +125,7 @@ class BoundOp:
         # what the last full check accepted: k_cache (and its byte range), cos_sin_cache (and its and
         # the scales' byte ranges, checked there against every buffer this op writes)
         self._k_cache, self._k_range, self._cos_sin_cache, self._fixed = None, (0, 0), None, ()
-        self._q_row = 2 * num_heads * head_dim  # bytes of one q_in row
+        self._q_row, self._kv_row = 2 * num_heads * head_dim, 2 * head_dim  # bytes of a q_in row, a kv row
         self._invalid: str | None = None
 
     def invalidate(self, reason: str) -> None:
@@ -189,13 +189,13 @@ class BoundOp:
         they overlap."""
         try:
             k0, k1 = self._k_range
-            if ops.data_ptr(k_cache) != k0:
+            ptr = ops.data_ptr
+            if ptr(k_cache) != k0:
                 return False
-            qi, kp = ops.data_ptr(q_in), ops.data_ptr(kv)
-            sp, pp = ops.data_ptr(slot_mapping), ops.data_ptr(positions)
+            qi, kp, sp, pp = ptr(q_in), ptr(kv), ptr(slot_mapping), ptr(positions)
             q_end = qi + (n - 1) * 2 * q_in.stride()[0] + self._q_row
             inputs = (
-                (kp, kp + (n - 1) * 2 * kv.stride()[0] + 2 * self.head_dim),
+                (kp, kp + (n - 1) * 2 * kv.stride()[0] + self._kv_row),
                 (sp, sp + 8 * m),
                 (pp, pp + 8 * n),
             )
