@@ -108,6 +108,7 @@ class BoundOp:
             self.buffers = [
                 pool.claim(
                     num_heads,
+                    owner=self,  # told (invalidate) when the pool retires the buffer
                     padded_heads=p,
                     head_dim=head_dim,
                     dtype=out_dtype,

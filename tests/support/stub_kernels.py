@@ -75,6 +75,9 @@ class _CpuPool:
     def buffer(self, **key):
         return self.pool.buffer(**dict(key, device="cpu"))
 
+    def release(self) -> None:
+        self.pool.release()
+
 
 @contextmanager
 def _cuda_claimed():
