@@ -8,7 +8,8 @@
     q_out = op(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch=mb)  # per step
 
 A bound op writes only the live heads into its zero-once scratch buffer, allocates nothing, and
-its per-call Python path is a few integer checks and one kernel call (CUDA-graph capturable).
+its per-call Python path is a few integer checks, the overlap check and one kernel call
+(CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -139,9 +140,10 @@ class BoundOp:
     def __call__(self, q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, *, micro_batch: int = 0):
         """Run the op; returns q_out: [N, P, D] (a scratch view), or q_in itself when written in place.
 
-        Checked here per call: M <= N, N fits the scratch, the micro-batch, and (when k_cache is not
-        the one of the last call) the whole argument list. The compiled function checks the rest
-        (dtypes, shapes, strides, alignment, device, equal row counts of q_in, kv and positions)."""
+        Checked here per call: M <= N, N fits the scratch, the micro-batch, overlap between what the
+        call writes and its inputs, and (when k_cache or cos_sin_cache is not the one of the last call)
+        the whole argument list. The compiled function checks the rest (dtypes, shapes, strides,
+        alignment, device, equal row counts of q_in, kv and positions)."""
         shape = q_in.shape
         n, m = shape[0], slot_mapping.shape[0]
         if (

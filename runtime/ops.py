@@ -1,8 +1,9 @@
 """The one-call entry points on CUDA tensors: validate once per shape, then one kernel call.
 
 Per call, the hot path does the checks the compiled function cannot (M <= N, N' >= N, P >= H, the
-cache's block size, a uint8 cache: TVM-FFI lets an int8 one through), a dict hit for the shape's
-launchers and one call. TVM-FFI itself checks dtypes, ranks, D, strides, 16-byte alignment,
+cache's block size, a uint8 cache: TVM-FFI lets an int8 one through), the overlap check (what the
+call writes against itself and every input, on byte ranges), a dict hit for the shape's launchers
+and one call. TVM-FFI itself checks dtypes, ranks, D, strides, 16-byte alignment,
 devices and equal row counts of q_in, kv and positions (one symbolic token count in the compiled
 signature) before launching. When it or the cheap checks refuse a call, the full validation
 (validate.py) raises a typed error naming the argument.
@@ -52,7 +53,9 @@ data_ptr = torch.Tensor.data_ptr  # unbound: anything but a tensor raises TypeEr
 # The per-call overlap checks below compute each argument's [start, end) bytes from its data pointer,
 # row count and row stride, in the layout the compiled function accepts (unit inner strides, compact
 # ids, tables and scales): a call in another layout is refused by that function before it launches,
-# so for every launched call these are the ranges validate.check_disjoint computes.
+# so for every launched call these are the ranges validate.check_disjoint computes. They are read on
+# every call rather than cached per argument: proving a tensor unchanged costs as many reads (version
+# counters do not exist for inference tensors, `.data =` bumps none) and q_in, kv are new every call.
 
 
 def qkv_disjoint(
