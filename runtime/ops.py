@@ -90,17 +90,17 @@ def scale_ranges(*scales) -> tuple:
 
 
 def kv_disjoint(
-    kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, m, d, n_pos, kb, kw, need
+    kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, m, d, ms, n_pos, kb, kw, need
 ) -> bool:
-    """What check_kv checks of overlap, for a call that launches (M >= 1): k_cache's pages apart and
-    k_cache disjoint from every input (kv [m, D], positions [n_pos], norm_weight [D])."""
+    """What check_kv checks of overlap, for a call that launches (ms >= 1 slots): k_cache's pages
+    apart and k_cache disjoint from every input (kv [m, D], positions [n_pos], norm_weight [D])."""
     kc, s_kc = data_ptr(k_cache), k_cache.stride()[0]
     if kb > 1 and s_kc < need:
         return False
     kp, sp, pp, cp = data_ptr(kv), data_ptr(slot_mapping), data_ptr(positions), data_ptr(cos_sin_cache)
     inputs = (
         (kp, kp + (m - 1) * 2 * kv.stride()[0] + 2 * d),
-        (sp, sp + 8 * slot_mapping.shape[0]),
+        (sp, sp + 8 * ms),
         (pp, pp + 8 * n_pos),
         (cp, cp + cos_sin_cache.nbytes),
     )
@@ -217,18 +217,18 @@ def kv_rope_insert(
         key = (kv.get_device(), kv.dtype, cache_format, d, cos_sin_cache.shape[1], bool(norm), kv_scale is not None,
                eps, block_size, checked, config, conversions)  # fmt: skip
         shape = rt.calls[key]
-        n_pos, (kb, kw) = positions.shape[0], k_cache.shape
+        ms, n_pos, (kb, kw) = slot_mapping.shape[0], positions.shape[0], k_cache.shape
         ok = (
-            slot_mapping.shape[0] <= m
-            and slot_mapping.shape[0] <= n_pos
+            ms <= m
+            and ms <= n_pos
             and type(block_size) is int
             and block_size > 0
             and kw >= (need := block_size * shape.bytes_per_token)
             and eps >= 0
             and k_cache.dtype is torch.uint8
             and (kv_scale is not None) == shape.needs_kv_scale
-            and (slot_mapping.shape[0] == 0 or kv_disjoint(kv, norm_weight, k_cache, slot_mapping, positions,
-                                                          cos_sin_cache, kv_scale, m, d, n_pos, kb, kw, need))
+            and (ms == 0 or kv_disjoint(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache,
+                                        kv_scale, m, d, ms, n_pos, kb, kw, need))
         )  # fmt: skip
     except (KeyError, AttributeError, TypeError, ValueError, IndexError):
         ok = False

@@ -73,9 +73,9 @@ def check_disjoint(written: dict, inputs: dict) -> None:
 def disjoint(w0: int, w1: int, v0: int, v1: int, inputs: tuple[tuple[int, int], ...]) -> bool:
     """Whether the written byte ranges [w0, w1) and [v0, v1) intersect neither each other nor any
     (start, end) range of `inputs` (which may overlap each other: they are only read); (0, 0) stands
-    for no second written buffer. The hot paths' per-call form of check_disjoint, on ints: they pass
-    ranges that contain check_disjoint's, so a call it passes check_disjoint passes too, and a call
-    it refuses goes to the full validation, which names the arguments."""
+    for no second written buffer. The fast paths' per-call form of check_disjoint, on ints: they pass
+    the ranges byte_range gives (ops.py says how), so the verdict is check_disjoint's; a call it
+    refuses goes to the full validation, which names the arguments."""
     if w0 < v1 and v0 < w1:
         return False
     for a0, a1 in inputs:

@@ -121,7 +121,7 @@ def test_kv_fast_path_check_equals_the_full_validation(name):
     assert full == (name == "valid")
     kb, kw = a["k_cache"].shape
     tensors = [a[k] for k in ("kv", "norm_weight", "k_cache", "slot_mapping", "positions", "cos_sin_cache")]
-    assert ops.kv_disjoint(*tensors, None, N, 512, N, kb, kw, BS * 584) == full
+    assert ops.kv_disjoint(*tensors, None, N, 512, N, N, kb, kw, BS * 584) == full
 
 
 # ---- the CPU entry points (torch ops: validation, then the reference) --------------------------------
