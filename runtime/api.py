@@ -8,7 +8,8 @@
     q_out = op(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch=mb)  # per step
 
 A bound op writes only the live heads into its zero-once scratch buffer, allocates nothing, and
-its per-call Python path is a few integer checks and one kernel call (CUDA-graph capturable).
+its per-call Python path is a few integer checks, the overlap check and one kernel call
+(CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class BoundOp:
             self.buffers = [
                 pool.claim(
                     num_heads,
+                    owner=self,  # told (invalidate) when the pool retires the buffer
                     padded_heads=p,
                     head_dim=head_dim,
                     dtype=out_dtype,
@@ -135,9 +137,12 @@ class BoundOp:
                 self.buffers = [b.view(torch.uint8) for b in self.buffers]
             self.capacity = min(b.shape[0] for b in self.buffers)
             self.pool = pool
-        # micro-batch -> (kernel's q_out, the views returned per token count)
-        self._out = {mb: (b, {}) for mb, b in enumerate(self.buffers)}
-        self._k_cache = None
+        # micro-batch -> (kernel's q_out, the views returned per token count, the buffer's byte range)
+        self._out = {mb: (b, {}, validate.byte_range(b)) for mb, b in enumerate(self.buffers)}
+        # what the last full check accepted: k_cache (and its byte range), cos_sin_cache (and its and
+        # the scales' byte ranges, checked there against every buffer this op writes)
+        self._k_cache, self._k_range, self._cos_sin_cache, self._fixed = None, (0, 0), None, ()
+        self._q_row, self._kv_row = 2 * num_heads * head_dim, 2 * head_dim  # bytes of a q_in row, a kv row
         self._invalid: str | None = None
 
     def _bucket_calls(self, launchers) -> list:
@@ -163,17 +168,20 @@ class BoundOp:
     def __call__(self, q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, *, micro_batch: int = 0):
         """Run the op; returns q_out: [N, P, D] (a scratch view), or q_in itself when written in place.
 
-        Checked here per call: M <= N, N fits the scratch, the micro-batch, and (when k_cache is not
-        the one of the last call) the whole argument list. The compiled function checks the rest
-        (dtypes, shapes, strides, alignment, device, equal row counts of q_in, kv and positions)."""
+        Checked here per call: M <= N, N fits the scratch, the micro-batch, overlap between what the
+        call writes and its inputs, and (when k_cache or cos_sin_cache is not the one of the last call)
+        the whole argument list. The compiled function checks the rest (dtypes, shapes, strides,
+        alignment, device, equal row counts of q_in, kv and positions)."""
         shape = q_in.shape
-        n = shape[0]
+        n, m = shape[0], slot_mapping.shape[0]
         if (
-            slot_mapping.shape[0] > n
+            m > n
             or n > self.capacity
             or shape[1] != self.h  # more heads than bound would write over the zero-once pads
             or k_cache is not self._k_cache
             or slot_mapping.dtype is not self._slot_dtype
+            or cos_sin_cache is not self._cos_sin_cache
+            or (n and not self._disjoint(q_in, kv, k_cache, slot_mapping, positions, n, m, micro_batch))
         ):
             self._full_check(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch)
             self._use_slot_dtype(slot_mapping.dtype)
@@ -181,7 +189,7 @@ class BoundOp:
             out, views = q_in, None
         else:
             try:
-                out, views = self._out[micro_batch]
+                out, views, _ = self._out[micro_batch]
             except (KeyError, TypeError):
                 self._check_micro_batch(micro_batch)
                 raise
@@ -206,6 +214,30 @@ class BoundOp:
                 device=self.device,
             )
         return v
+
+    def _disjoint(self, q_in, kv, k_cache, slot_mapping, positions, n, m, micro_batch) -> bool:
+        """The per-call overlap check (n >= 1): what this call writes (the micro-batch's scratch buffer,
+        or q_in in place; k_cache, at the range its full check computed while its data pointer is the
+        same) is disjoint from every input. False sends the call to the full check, which raises if
+        they overlap."""
+        try:
+            k0, k1 = self._k_range
+            ptr = ops.data_ptr
+            if ptr(k_cache) != k0:
+                return False
+            qi, kp, sp, pp = ptr(q_in), ptr(kv), ptr(slot_mapping), ptr(positions)
+            q_end = qi + (n - 1) * 2 * q_in.stride()[0] + self._q_row
+            inputs = (
+                (kp, kp + (n - 1) * 2 * kv.stride()[0] + self._kv_row),
+                (sp, sp + slot_mapping.nbytes),
+                (pp, pp + 8 * n),
+            )
+            if self.in_place:
+                return validate.disjoint(qi, q_end, k0, k1, inputs + self._fixed)
+            w0, w1 = self._out[micro_batch][2]
+            return validate.disjoint(w0, w1, k0, k1, inputs + ((qi, q_end),))
+        except (KeyError, AttributeError, TypeError, ValueError, IndexError):
+            return False
 
     def _check_micro_batch(self, micro_batch) -> None:
         if not isinstance(micro_batch, int) or not 0 <= micro_batch < max(1, len(self.buffers)):
@@ -237,7 +269,12 @@ class BoundOp:
             q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, self.eps, self.block_size,
             self.cache_format, q_scale=self.q_scale, kv_scale=self.kv_scale, q_layout=self.q_layout,
         )  # fmt: skip
-        self._k_cache = k_cache
+        fixed = {"cos_sin_cache": cos_sin_cache, "kv_scale": self.kv_scale, "q_scale": self.q_scale}
+        for b in self.buffers:  # every micro-batch's: the per-call check does not look at these again
+            validate.check_disjoint({"q_out": b}, fixed)
+        self._k_cache, self._k_range = k_cache, validate.byte_range(k_cache)
+        self._cos_sin_cache = cos_sin_cache
+        self._fixed = tuple(validate.byte_range(t) for t in fixed.values() if t is not None)
 
 
 def bind(**kwargs) -> BoundOp:

@@ -1,8 +1,9 @@
 """The one-call entry points on CUDA tensors: validate once per shape, then one kernel call.
 
 Per call, the hot path does the checks the compiled function cannot (M <= N, N' >= N, P >= H, the
-cache's block size, a uint8 cache: TVM-FFI lets an int8 one through), a dict hit for the shape's
-launchers and one call. TVM-FFI itself checks dtypes, ranks, D, strides, 16-byte alignment,
+cache's block size, a uint8 cache: TVM-FFI lets an int8 one through), the overlap check (what the
+call writes against itself and every input, on byte ranges), a dict hit for the shape's launchers
+and one call. TVM-FFI itself checks dtypes, ranks, D, strides, 16-byte alignment,
 devices and equal row counts of q_in, kv and positions (one symbolic token count in the compiled
 signature) before launching. When it or the cheap checks refuse a call, the full validation
 (validate.py) raises a typed error naming the argument.
@@ -47,6 +48,70 @@ def shape_calls(launchers, lead: tuple[str, ...], cache_format: str, head_dim: i
     return ShapeCalls(calls, fmt.bytes_per_token(head_dim), fmt.needs_tensor_scale)
 
 
+data_ptr = torch.Tensor.data_ptr  # unbound: anything but a tensor raises TypeError (-> full validation)
+
+# The per-call overlap checks below compute each argument's [start, end) bytes from its data pointer,
+# row count and row stride, in the layout the compiled function accepts (unit inner strides, compact
+# ids, tables and scales): a call in another layout is refused by that function before it launches,
+# so for every launched call these are the ranges validate.check_disjoint computes. They are read on
+# every call rather than cached per argument: proving a tensor unchanged costs as many reads (version
+# counters do not exist for inference tensors, `.data =` bumps none) and q_in, kv are new every call.
+
+
+def qkv_disjoint(
+    q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale,
+    n, h, d, n_out, p, m, kb, kw, need,
+) -> bool:  # fmt: skip
+    """What check_qkv checks of overlap, for n >= 1 tokens: q_out's rows and k_cache's pages apart,
+    and q_out and k_cache disjoint from each other and from every input (q_in too, unless it is
+    q_out: in place, P == H)."""
+    qo, s_qo, kc, s_kc = data_ptr(q_out), q_out.stride()[0], data_ptr(k_cache), k_cache.stride()[0]
+    if (n_out > 1 and s_qo < p * d) or (kb > 1 and s_kc < need):
+        return False
+    qi, s_qi, kp = data_ptr(q_in), q_in.stride()[0], data_ptr(kv)
+    sp, pp, cp = data_ptr(slot_mapping), data_ptr(positions), data_ptr(cos_sin_cache)
+    inputs = (
+        (kp, kp + (n - 1) * 2 * kv.stride()[0] + 2 * d),
+        (sp, sp + slot_mapping.nbytes),
+        (pp, pp + 8 * n),
+        (cp, cp + cos_sin_cache.nbytes),
+    )
+    if not (p == h and qi == qo and s_qi == s_qo):
+        inputs += ((qi, qi + (n - 1) * 2 * s_qi + 2 * h * d),)
+    if kv_scale is not None or q_scale is not None:
+        inputs += scale_ranges(kv_scale, q_scale)
+    q_end = qo + ((n_out - 1) * s_qo + p * d) * (1 if q_scale is not None else 2)
+    return validate.disjoint(qo, q_end, kc, kc + (kb - 1) * s_kc + kw if kb else kc, inputs)
+
+
+def scale_ranges(*scales) -> tuple:
+    """The byte ranges of the one-element float32 scales given."""
+    return tuple((x, x + 4) for x in (data_ptr(t) for t in scales if t is not None))
+
+
+def kv_disjoint(
+    kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, m, d, ms, n_pos, kb, kw, need
+) -> bool:
+    """What check_kv checks of overlap, for a call that launches (ms >= 1 slots): k_cache's pages
+    apart and k_cache disjoint from every input (kv [m, D], positions [n_pos], norm_weight [D])."""
+    kc, s_kc = data_ptr(k_cache), k_cache.stride()[0]
+    if kb > 1 and s_kc < need:
+        return False
+    kp, sp, pp, cp = data_ptr(kv), data_ptr(slot_mapping), data_ptr(positions), data_ptr(cos_sin_cache)
+    inputs = (
+        (kp, kp + (m - 1) * 2 * kv.stride()[0] + 2 * d),
+        (sp, sp + slot_mapping.nbytes),
+        (pp, pp + 8 * n_pos),
+        (cp, cp + cos_sin_cache.nbytes),
+    )
+    if norm_weight is not None:
+        w = data_ptr(norm_weight)
+        inputs += ((w, w + 2 * d),)
+    if kv_scale is not None:
+        inputs += scale_ranges(kv_scale)
+    return validate.disjoint(kc, kc + (kb - 1) * s_kc + kw if kb else kc, 0, 0, inputs)
+
+
 def _conversions(conversions: str | Conversions | None) -> Conversions | None:
     return Conversions(conversions) if isinstance(conversions, str) else conversions
 
@@ -88,18 +153,20 @@ def qnorm_rope_kv_insert(
                q_scale is not None, eps, block_size, checked, numerics, apply_q_norm, apply_q_rope, q_layout,
                slot_mapping.dtype, config, conversions)  # fmt: skip
         shape = rt.calls[key]
+        m, (kb, kw) = slot_mapping.shape[0], k_cache.shape
         ok = (
-            slot_mapping.shape[0] <= n
+            m <= n
             and n_out >= n
             and p >= h
             and type(block_size) is int
             and block_size > 0
-            and k_cache.shape[1] >= block_size * shape.bytes_per_token
+            and kw >= (need := block_size * shape.bytes_per_token)
             and eps >= 0
             and k_cache.dtype is torch.uint8  # the compiled function accepts an int8 cache (same width)
             and (kv_scale is not None) == shape.needs_kv_scale
-            and (p == h or q_out.data_ptr() != q_in.data_ptr())
-        )
+            and (n == 0 or qkv_disjoint(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache,
+                                        kv_scale, q_scale, n, h, d, n_out, p, m, kb, kw, need))
+        )  # fmt: skip
     except (KeyError, AttributeError, TypeError, ValueError, IndexError):
         ok = False
     if not ok:
@@ -170,16 +237,19 @@ def kv_rope_insert(
         key = (kv.get_device(), kv.dtype, cache_format, d, cos_sin_cache.shape[1], bool(norm), kv_scale is not None,
                eps, block_size, checked, numerics, compress_ratio, slot_mapping.dtype, config, conversions)  # fmt: skip
         shape = rt.calls[key]
+        ms, n_pos, (kb, kw) = slot_mapping.shape[0], positions.shape[0], k_cache.shape
         ok = (
-            slot_mapping.shape[0] <= m
-            and slot_mapping.shape[0] <= positions.shape[0]
+            ms <= m
+            and ms <= n_pos
             and type(block_size) is int
             and block_size > 0
-            and k_cache.shape[1] >= block_size * shape.bytes_per_token
+            and kw >= (need := block_size * shape.bytes_per_token)
             and eps >= 0
             and k_cache.dtype is torch.uint8
             and (kv_scale is not None) == shape.needs_kv_scale
-        )
+            and (ms == 0 or kv_disjoint(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache,
+                                        kv_scale, m, d, ms, n_pos, kb, kw, need))
+        )  # fmt: skip
     except (KeyError, AttributeError, TypeError, ValueError, IndexError):
         ok = False
     if not ok:

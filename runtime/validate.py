@@ -59,7 +59,7 @@ def _check_rows(name: str, t: torch.Tensor, ndim: int, head_dim: int, dtype) -> 
     _check_aligned(name, t, 16)
 
 
-def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+def byte_range(t: torch.Tensor) -> tuple[int, int]:
     """[first, last) bytes a tensor's elements can touch (from its shape and strides)."""
     if t.numel() == 0:
         return t.data_ptr(), t.data_ptr()
@@ -70,7 +70,7 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
 def check_disjoint(written: dict, inputs: dict) -> None:
     """InputError if a buffer the op writes overlaps another written buffer or any input: the
     kernels read inputs while writing outputs, so an overlap gives bytes that depend on the schedule."""
-    ranges = {n: _byte_range(t) for n, t in {**written, **inputs}.items() if isinstance(t, torch.Tensor)}
+    ranges = {n: byte_range(t) for n, t in {**written, **inputs}.items() if isinstance(t, torch.Tensor)}
     names = list(written)
     for i, a in enumerate(names):
         for b in names[i + 1 :] + [n for n in inputs if n in ranges]:
@@ -79,6 +79,20 @@ def check_disjoint(written: dict, inputs: dict) -> None:
                 _fail(
                     f"{a} overlaps {b} in memory: the buffers the op writes must not overlap each other or its inputs"
                 )
+
+
+def disjoint(w0: int, w1: int, v0: int, v1: int, inputs: tuple[tuple[int, int], ...]) -> bool:
+    """Whether the written byte ranges [w0, w1) and [v0, v1) intersect neither each other nor any
+    (start, end) range of `inputs` (which may overlap each other: they are only read); (0, 0) stands
+    for no second written buffer. The fast paths' per-call form of check_disjoint, on ints: they pass
+    the ranges byte_range gives (ops.py says how), so the verdict is check_disjoint's; a call it
+    refuses goes to the full validation, which names the arguments."""
+    if w0 < v1 and v0 < w1:
+        return False
+    for a0, a1 in inputs:
+        if a0 < w1 and w0 < a1 or a0 < v1 and v0 < a1:
+            return False
+    return True
 
 
 def check_supported(request: Request) -> None:

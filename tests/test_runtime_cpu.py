@@ -180,6 +180,23 @@ def test_pool_grows_before_lock_keeps_zero_once_ownership_and_retires_old_buffer
     assert len(op.reasons) == 1  # told once
 
 
+def test_a_bound_op_is_told_when_its_scratch_buffer_is_released():
+    """A real bound op (on CPU, kernel stubbed) registers with the pool: after release() its next call
+    is refused and it holds no buffer."""
+    from .support.bad_inputs import BS, H, P, valid
+    from .support.stub_kernels import StubRuntime, stub_bind
+
+    rt = StubRuntime()
+    op = stub_bind(runtime=rt, num_heads=H, padded_heads=P, max_tokens=12, block_size=BS)
+    a = valid("cpu")
+    args = [a[k] for k in ("q_in", "kv", "k_cache", "slot_mapping", "positions", "cos_sin_cache")]
+    op(*args)
+    op.pool.release()
+    with pytest.raises(ScratchError, match="its scratch buffer was released; bind the layer again"):
+        op(*args)
+    assert rt.kernel.calls == 1 and op.buffers == []
+
+
 def test_claimants_are_held_weakly():
     import gc
 

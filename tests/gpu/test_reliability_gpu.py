@@ -13,7 +13,24 @@ from attn_prologue import dispatch, ops, reference, selftest
 from attn_prologue.errors import InputError, ScratchError
 from attn_prologue.variants import ArchFamily, generated, parse_name
 
-from ..support.bad_inputs import BS, CASES, CUDA_ONLY, OVERLAPS, D, H, N, P, snapshot, unchanged, valid
+from ..support.bad_inputs import (
+    BOUND_OVERLAPS,
+    BS,
+    CASES,
+    CUDA_ONLY,
+    IN_PLACE_OVERLAPS,
+    KV_ARGS,
+    KV_OVERLAPS,
+    OVERLAPS,
+    D,
+    H,
+    N,
+    P,
+    snapshot,
+    unchanged,
+    valid,
+    valid_kv,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -70,11 +87,87 @@ def test_overlapping_buffers_are_refused_where_arguments_are_validated(name):
     args = valid("cuda")
     edit(args)
     before = snapshot(args)
-    with pytest.raises(error, match="overlaps|apart"):
+    with pytest.raises(error, match="overlaps|apart|smaller than"):
         ops.qnorm_rope_kv_insert(
             *(args[k] for k in ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache")),
             args["eps"], args["block_size"], args["cache_format"], runtime=dispatch.Runtime(),
         )  # fmt: skip
+    torch.cuda.synchronize()
+    assert unchanged(before, args) == []
+
+
+QKV_ARGS = ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache", "eps", "block_size",
+            "cache_format")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAPS))
+def test_overlap_on_the_fast_path_of_a_cached_shape_raises_and_writes_nothing(name):
+    """The second call of a shape takes its fast path, whose per-call check refuses an overlap (a
+    written buffer with itself, with the other or with an input) before anything is written."""
+    edit, error = OVERLAPS[name]
+    rt = dispatch.Runtime()
+    args = valid("cuda")
+    ops.qnorm_rope_kv_insert(*(args[k] for k in QKV_ARGS), runtime=rt)  # validates and caches the shape
+    args = valid("cuda")
+    edit(args)
+    before = snapshot(args)
+    with pytest.raises(error, match="overlaps|apart|smaller than"):
+        ops.qnorm_rope_kv_insert(*(args[k] for k in QKV_ARGS), runtime=rt)
+    torch.cuda.synchronize()
+    assert len(rt.calls) == 1, "the call did not reach the cached shape's fast path"
+    assert unchanged(before, args) == []
+
+
+@pytest.mark.parametrize("name", sorted(KV_OVERLAPS))
+def test_kv_overlap_on_the_fast_path_raises_and_writes_nothing(name):
+    edit, error = KV_OVERLAPS[name]
+    rt = dispatch.Runtime()
+    args = valid_kv("cuda")
+    ops.kv_rope_insert(*(args[k] for k in KV_ARGS[:-1]), norm_weight=args["norm_weight"], runtime=rt)
+    args = valid_kv("cuda")
+    edit(args)
+    before = snapshot(args)
+    with pytest.raises(error, match="overlaps|smaller than"):
+        ops.kv_rope_insert(*(args[k] for k in KV_ARGS[:-1]), norm_weight=args["norm_weight"], runtime=rt)
+    torch.cuda.synchronize()
+    assert len(rt.calls) == 1 and unchanged(before, args) == []
+
+
+@pytest.mark.parametrize("name", sorted(BOUND_OVERLAPS))
+def test_overlap_into_a_bound_op_raises_and_writes_nothing(name):
+    """An input inside the op's scratch buffer or inside k_cache (the same k_cache object as the
+    last call's), or a new k_cache or cos_sin_cache that overlaps, is refused before any write."""
+    edit, error = BOUND_OVERLAPS[name]
+    pool = ap.ScratchPool()
+    pool.reserve(max_tokens=N, padded_heads=P, head_dim=D, micro_batches=1)
+    pool.lock()
+    op = ap.bind(num_heads=H, padded_heads=P, head_dim=D, block_size=BS, pool=pool)
+    args = valid("cuda")
+    op(*[args[k] for k in BOUND_ARGS])
+    buffer = pool.buffer(padded_heads=P, head_dim=D)
+    args = valid("cuda") | {
+        "k_cache": args["k_cache"],
+        "cos_sin_cache": args["cos_sin_cache"],
+    }  # same objects
+    edit(args, buffer)
+    before = dict(snapshot(args), q_scratch=buffer.clone())
+    with pytest.raises(error, match="overlaps|smaller than|alias"):
+        op(*[args[k] for k in BOUND_ARGS])
+    torch.cuda.synchronize()
+    assert unchanged(before, dict(args, q_scratch=buffer)) == []
+
+
+@pytest.mark.parametrize("name", sorted(IN_PLACE_OVERLAPS))
+def test_overlap_with_q_in_written_in_place_raises_and_writes_nothing(name):
+    edit, error = IN_PLACE_OVERLAPS[name]
+    op = ap.bind(num_heads=H, head_dim=D, block_size=BS)
+    args = valid("cuda")
+    op(*[args[k] for k in BOUND_ARGS])
+    args = valid("cuda") | {"k_cache": args["k_cache"], "cos_sin_cache": args["cos_sin_cache"]}
+    edit(args)
+    before = snapshot(args)
+    with pytest.raises(error, match="overlaps"):
+        op(*[args[k] for k in BOUND_ARGS])
     torch.cuda.synchronize()
     assert unchanged(before, args) == []
 

@@ -68,6 +68,40 @@ def _positions_inside_k_cache(a: dict) -> None:
     a.update(positions=a["k_cache"].view(-1)[: N * 8].view(torch.int64))  # a view of the cache's first bytes
 
 
+def _in_k_cache(a: dict, name: str, dtype, shape) -> None:
+    """`name` becomes a view of the cache's first bytes (its values copied there)."""
+    n = a[name].numel() * a[name].element_size()
+    view = a["k_cache"].view(-1)[:n].view(dtype).view(shape)
+    view.copy_(a[name])
+    a[name] = view
+
+
+def _q_in_overlapping_k_cache(a: dict) -> None:
+    """One allocation: the cache's pages, and q_in starting 1 KB before their end."""
+    k_bytes, q_bytes = 4 * BS * 584, N * H * D * 2
+    buf = torch.zeros(k_bytes - 1024 + q_bytes, dtype=torch.uint8, device=a["kv"].device)
+    buf[:k_bytes].copy_(a["k_cache"].view(-1))
+    q_in = buf[k_bytes - 1024 :].view(torch.bfloat16).view(N, H, D)
+    q_in.copy_(a["q_in"])
+    a.update(k_cache=buf[:k_bytes].view(4, BS * 584), q_in=q_in)
+
+
+def _cos_sin_inside_q_out(a: dict) -> None:
+    cs = (
+        a["q_out"]
+        .view(-1)[: a["cos_sin_cache"].numel() * 2]
+        .view(torch.float32)
+        .view(a["cos_sin_cache"].shape)
+    )
+    cs.copy_(a["cos_sin_cache"])
+    a.update(cos_sin_cache=cs)
+
+
+def _k_cache_pages_overlapping(a: dict) -> None:
+    """Page stride 16 bytes short of a block's records: each page's last records are the next's first."""
+    a.update(k_cache=a["k_cache"].as_strided((4, BS * 584), (BS * 584 - 16, 1)))
+
+
 # name -> (function editing the valid kwargs in place, expected error type)
 CASES = {
     "q_in float32": (lambda a: a.update(q_in=a["q_in"].float()), InputError),
@@ -134,9 +168,9 @@ CASES = {
     ),
 }
 
-# Overlap between what the op writes and anything else is refused where arguments are validated (the
-# first call of a shape on CUDA, every call of the CPU path); the CUDA hot paths do not re-check it per
-# call yet, so these run on the validating path only.
+# Overlap between what the op writes (q_out, k_cache) and anything else, itself included: refused on
+# every path before anything is written, by the full validation and by the fast paths' per-call check
+# (each edit keeps the shape, so a call after a valid one takes the fast path of that shape).
 OVERLAPS = {
     "q_out inside k_cache": (_q_out_inside_k_cache, InputError),
     "kv inside q_out": (_kv_inside_q_out, InputError),
@@ -145,6 +179,42 @@ OVERLAPS = {
         InputError,
     ),
     "positions inside k_cache": (_positions_inside_k_cache, InputError),
+    "slot_mapping inside q_out": (
+        lambda a: a.update(slot_mapping=a["q_out"].view(-1)[: N * 4].view(torch.int64)),
+        InputError,
+    ),
+    "q_in overlapping the end of k_cache": (_q_in_overlapping_k_cache, InputError),
+    "cos_sin_cache inside q_out": (_cos_sin_inside_q_out, InputError),
+    "k_cache pages overlapping": (_k_cache_pages_overlapping, InputError),
+}
+
+
+def valid_kv(device: str) -> dict:
+    """A valid KV-only call (weighted RMSNorm first): kv_rope_insert's arguments by name."""
+    a = valid(device)
+    g = torch.Generator(device=device).manual_seed(5)
+    norm_weight = torch.randn(D, generator=g, device=device).bfloat16()
+    return {k: a[k] for k in KV_ARGS[:-1] if k in a} | dict(norm_weight=norm_weight, eps=1e-6)
+
+
+KV_ARGS = (
+    "kv",
+    "k_cache",
+    "slot_mapping",
+    "positions",
+    "cos_sin_cache",
+    "block_size",
+    "cache_format",
+    "norm_weight",
+)
+
+# The KV-only ops write k_cache alone.
+KV_OVERLAPS = {
+    "kv inside k_cache": (lambda a: _in_k_cache(a, "kv", torch.bfloat16, (N, D)), InputError),
+    "positions inside k_cache": (_positions_inside_k_cache, InputError),
+    "slot_mapping inside k_cache": (lambda a: _in_k_cache(a, "slot_mapping", torch.int64, (N,)), InputError),
+    "norm_weight inside k_cache": (lambda a: _in_k_cache(a, "norm_weight", torch.bfloat16, (D,)), InputError),
+    "k_cache pages overlapping": (_k_cache_pages_overlapping, InputError),
 }
 
 CUDA_ONLY = {
@@ -165,3 +235,45 @@ def unchanged(before: dict, args: dict) -> list[str]:
         if not torch.equal(now.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)):
             changed.append(k)
     return changed
+
+
+def _in_scratch(a: dict, name: str, scratch: torch.Tensor) -> None:
+    """`name` becomes a view of the bound op's scratch buffer (its values copied there)."""
+    view = scratch[:N, :H] if name == "q_in" else scratch[:N, P - 1]
+    view.copy_(a[name])
+    a[name] = view
+
+
+# A bound op (H live heads of P) writes its scratch buffer and k_cache: edit(args, scratch buffer).
+BOUND_OVERLAPS = {
+    "q_in inside the scratch": (lambda a, s: _in_scratch(a, "q_in", s), InputError),
+    "kv inside the scratch": (lambda a, s: _in_scratch(a, "kv", s), InputError),
+    "kv inside k_cache": (lambda a, s: _in_k_cache(a, "kv", torch.bfloat16, (N, D)), InputError),
+    "positions inside k_cache": (lambda a, s: _positions_inside_k_cache(a), InputError),
+    "slot_mapping inside k_cache": (
+        lambda a, s: _in_k_cache(a, "slot_mapping", torch.int64, (N,)),
+        InputError,
+    ),
+    "cos_sin_cache inside k_cache": (
+        lambda a, s: _in_k_cache(a, "cos_sin_cache", torch.float32, a["cos_sin_cache"].shape),
+        InputError,
+    ),
+    "q_in overlapping the end of k_cache": (lambda a, s: _q_in_overlapping_k_cache(a), InputError),
+    "k_cache pages overlapping": (lambda a, s: _k_cache_pages_overlapping(a), InputError),
+}
+
+# A bound op without a pool (P == H) writes q_in in place, and k_cache.
+IN_PLACE_OVERLAPS = {
+    "kv inside q_in": (lambda a: a.update(kv=a["q_in"][:, 0]), InputError),
+    "positions inside q_in": (
+        lambda a: a.update(positions=a["q_in"].view(-1)[: N * 4].view(torch.int64)),
+        InputError,
+    ),
+    "cos_sin_cache inside q_in": (
+        lambda a: a.update(
+            cos_sin_cache=a["q_in"].view(-1)[: a["cos_sin_cache"].numel() * 2].view(torch.float32).view(-1, R)
+        ),
+        InputError,
+    ),
+    "kv inside k_cache": (lambda a: _in_k_cache(a, "kv", torch.bfloat16, (N, D)), InputError),
+}
