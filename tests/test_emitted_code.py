@@ -6,6 +6,7 @@ knob compiles on every arch."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 import subprocess
 import sys
@@ -403,3 +404,28 @@ def test_targets_built_on_request_emit_what_the_others_do(tmp_path, variant, tar
     native = v.conversions is Conversions.NATIVE
     assert (facts["cvt_ue8m0x2"] > 0) == (native and v.format.scale is ScaleCode.UE8M0)
     assert (facts["cvt_e2m1x2"] > 0) == (native and v.format.element is ElementCode.E2M1)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["kv_d512r64_nvfp4_v41_bf16_sm120", "qkv_qi_d512r64_mxfp8_bf16_sm100", "kv_norm_d128r64_mxfp4_bf16_sm90"],
+)
+def test_int32_slot_ids_compile_to_a_32_bit_slot_load(tmp_path, variant):
+    """Int32 slot ids are a compile-time width of the same module (LaunchConfig.slots32): the slot is
+    read with a sign-extending 32-bit load, and every other global access is what the int64 build has."""
+    v = parse_name(variant)
+    cache = KernelCache(tmp_path)
+    target = v.arch.targets[0]
+    keys = [
+        KernelKey(variant, c, target)
+        for c in (v.arch.default_config, dataclasses.replace(v.arch.default_config, slots32=True))
+    ]
+    wide, narrow = (cache.ensure_built(k) for k in keys)
+    ptx_wide, ptx_narrow = ((cache.entry_dir(k) / "kernel.ptx").read_text() for k in keys)
+    assert "ld.global.s32" in ptx_narrow and "ld.global.s32" not in ptx_wide
+    assert narrow["resources"]["frame_bytes"] == 0 and narrow["ptx"]["local_memory"] is False
+
+    def others(meta):
+        return {k: n for k, n in meta["ptx"]["global_access_bits"].items() if k not in ("ld.32", "ld.64")}
+
+    assert others(narrow) == others(wide)

@@ -63,6 +63,11 @@ class Case:
     max_pos: int = 4096
     in_place: bool = False
     numerics: str = ""  # parity choices (formats.Numerics spelling); "" = the format's defaults
+    apply_q_norm: bool = True
+    apply_q_rope: bool = True
+    q_layout: str = "head_major"
+    compress_ratio: int = 1  # KV-only ops: group-boundary rows only
+    slot_dtype: str = "int64"
 
     def __str__(self):
         return (
@@ -71,6 +76,11 @@ class Case:
             + (f"-M{self.m}" if self.m is not None else "")
             + ("-q8" if self.q_fp8 else "")
             + (f"-[{self.numerics}]" if self.numerics else "")
+            + ("-nonorm" if not self.apply_q_norm else "")
+            + ("-norope" if not self.apply_q_rope else "")
+            + ("-qi" if self.q_layout == "interleaved" else "")
+            + (f"-r{self.compress_ratio}" if self.compress_ratio != 1 else "")
+            + ("-i32" if self.slot_dtype == "int32" else "")
         )
 
 
@@ -116,6 +126,7 @@ def make_inputs(c: Case, device="cuda") -> Inputs:
     slots = torch.randperm(num_blocks * c.block_size, generator=g, device=device)[:m].to(torch.int64)
     if c.negative_every:
         slots[:: c.negative_every] = -1
+    slots = slots.to(getattr(torch, c.slot_dtype))
     positions = torch.randint(0, c.max_pos, (max(c.n, m),), generator=g, device=device, dtype=torch.int64)
     if c.op == "qkv":
         positions = positions[: c.n].contiguous()
@@ -195,6 +206,9 @@ def run_reference(x: Inputs, order="kernel", write_pad_heads=True) -> Inputs:
             write_pad_heads=write_pad_heads,
             order=order,
             numerics=c.numerics,
+            apply_q_norm=c.apply_q_norm,
+            apply_q_rope=c.apply_q_rope,
+            q_layout=c.q_layout,
         )
     else:
         reference.kv_rope_insert(
@@ -210,6 +224,7 @@ def run_reference(x: Inputs, order="kernel", write_pad_heads=True) -> Inputs:
             kv_scale=r.kv_scale,
             order=order,
             numerics=c.numerics,
+            compress_ratio=c.compress_ratio,
         )
     return r
 
@@ -235,6 +250,9 @@ def run_kernel(x: Inputs, write_pad_heads=True, **kw) -> Inputs:
             q_scale=r.q_scale,
             write_pad_heads=write_pad_heads,
             numerics=c.numerics or None,
+            apply_q_norm=c.apply_q_norm,
+            apply_q_rope=c.apply_q_rope,
+            q_layout=c.q_layout,
             **kw,
         )
     else:
@@ -250,6 +268,7 @@ def run_kernel(x: Inputs, write_pad_heads=True, **kw) -> Inputs:
             eps=1e-6,
             kv_scale=r.kv_scale,
             numerics=c.numerics or None,
+            compress_ratio=c.compress_ratio,
             **kw,
         )
     return r
