@@ -229,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--shapes",
         default="targets",
-        choices=["targets", "indexer", "records", "all", "quick", "baseline"],
-        help="which shape set to time (targets: the fp8_ds_mla targets' shapes; records: the V4.1 and NVFP4 records')",
+        choices=["targets", "indexer", "records", "modes", "all", "quick", "baseline"],
+        help="which shape set to time (targets: the fp8_ds_mla targets' shapes; records: the V4.1 and NVFP4 "
+        "records'; modes: the op modes V4.1 engines call)",
     )
     s.add_argument("--max-tokens", type=int, help="skip shapes with more tokens than this")
     s.add_argument(

@@ -214,8 +214,12 @@ class Kernel:
             if valid:
                 slot = Int64(args.slot_mapping[r])
                 position = Int64(args.positions[r])
-                for s in range_constexpr(SLOTS):
-                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+                wanted = args.compress_ratio == 1  # (then the row load does not wait for the position)
+                if not wanted:  # a compressed writer reads only the group-boundary rows
+                    wanted = (Int32(position) + 1) % args.compress_ratio == 0
+                if wanted:
+                    for s in range_constexpr(SLOTS):
+                        kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             ok = slot >= 0
             if args.checked != 0:
                 capacity = Int64(args.k_cache.shape[0]) * Int64(args.block_size)

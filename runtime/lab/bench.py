@@ -25,7 +25,7 @@ from .. import (
     torch_op,  # noqa: F401  (registers torch.ops.attn_prologue, timed by host_overhead_us)
 )
 from ..formats import get_format
-from ..variants import IoDtype, Op, QOut, Request
+from ..variants import IoDtype, Op, QLayout, QOut, Request
 from .timing import copy_time_us, graph_time_us, host_time_us, l2_bytes
 
 
@@ -42,27 +42,46 @@ class Shape:
     op: str = "qkv"  # qkv, kv or kv_norm
     dtype: str = "bf16"
     q_fp8: bool = False
+    apply_q_norm: bool = True
+    apply_q_rope: bool = True
+    q_layout: str = "head_major"
+    compress_ratio: int = 1  # kv ops: group-boundary rows only (positions are uniform: 1 in r rows)
 
     @property
     def label(self) -> str:
         pads = "" if self.p == self.h else (" zero-once" if self.zero_once else " write-pads")
-        return f"{self.op} {self.cache_format} D={self.head_dim} T={self.n} H={self.h} P={self.p}{pads}"
+        modes = "".join(
+            part
+            for part, on in (
+                (" no-q-norm", not self.apply_q_norm),
+                (" no-q-rope", not self.apply_q_rope),
+                (" interleaved", self.q_layout == "interleaved"),
+                (f" r={self.compress_ratio}", self.compress_ratio != 1),
+            )
+            if on
+        )
+        heads = f" H={self.h} P={self.p}{pads}" if self.op == "qkv" else ""
+        return f"{self.op} {self.cache_format} D={self.head_dim} T={self.n}{heads}{modes}"
 
     @property
     def request(self) -> Request:
         q_out = QOut.FP8 if self.q_fp8 else QOut.IO
         return Request(
-            Op(self.op), self.head_dim, self.rope_dim, self.cache_format, IoDtype(self.dtype), q_out
-        )
+            Op(self.op), self.head_dim, self.rope_dim, self.cache_format, IoDtype(self.dtype), q_out,
+            q_layout=QLayout(self.q_layout),
+        )  # fmt: skip
 
     def min_bytes(self) -> int:
+        """The bytes the call must move: slot and position of every row; KV row, cos/sin and record
+        of the rows it inserts (1 in compress_ratio); Q rows in and out."""
         fmt = get_format(self.cache_format)
         d = self.head_dim
-        per_token = d * 2 + fmt.bytes_per_token(d) + self.rope_dim * 4 + 16
+        inserted = (d * 2 + fmt.bytes_per_token(d) + self.rope_dim * 4) * self.n // self.compress_ratio
+        per_token = 16
         if self.op == "qkv":
             written = self.h if self.zero_once else self.p
             per_token += self.h * d * 2 + written * d * (1 if self.q_fp8 else 2)
-        return self.n * per_token
+        return self.n * per_token + inserted
 
 
 @dataclass
@@ -156,10 +175,19 @@ def call_args(shape: Shape, s: dict) -> tuple[tuple, dict]:
     if shape.op == "qkv":
         tensors = ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache")
         args = (*(s[k] for k in tensors), 1e-6, shape.block_size, shape.cache_format)
-        return args, {"kv_scale": s.get("kv_scale"), "q_scale": s.get("q_scale")}
+        modes = {
+            "apply_q_norm": shape.apply_q_norm,
+            "apply_q_rope": shape.apply_q_rope,
+            "q_layout": shape.q_layout,
+        }
+        return args, {"kv_scale": s.get("kv_scale"), "q_scale": s.get("q_scale"), **modes}
     tensors = ("kv", "k_cache", "slot_mapping", "positions", "cos_sin_cache")
     args = (*(s[k] for k in tensors), shape.block_size, shape.cache_format)
-    return args, {"norm_weight": s.get("norm_weight"), "kv_scale": s.get("kv_scale")}
+    return args, {
+        "norm_weight": s.get("norm_weight"),
+        "kv_scale": s.get("kv_scale"),
+        "compress_ratio": shape.compress_ratio,
+    }
 
 
 def op_fns(
@@ -344,6 +372,24 @@ def default_shapes(which: str = "targets") -> list[Shape]:
         for fmt in ("fp8_token", "mxfp4"):
             shapes += [Shape(n=t, h=64, p=64, head_dim=128, cache_format=fmt) for t in (1, 64, 2048, 8192)]
         shapes += [Shape(n=t, h=64, p=64, cache_format="mxfp8") for t in (1, 2048, 8192)]
+    if which in ("modes", "all"):  # the op modes V4.1 engines call (MODE_TARGETS)
+        for t in (1, 2048, 8192):
+            shapes += [Shape(n=t, **main)]  # the full op, the modes' yardstick
+            shapes += [Shape(n=t, apply_q_norm=False, **main), Shape(n=t, apply_q_rope=False, **main)]
+            shapes += [Shape(n=t, apply_q_norm=False, apply_q_rope=False, **main)]
+            shapes += [
+                Shape(n=t, q_layout="interleaved", **main),
+                Shape(n=t, cache_format="mxfp8", block_size=64),
+            ]
+            shapes += [
+                Shape(n=t, cache_format="mxfp8", q_layout="interleaved", apply_q_norm=False, block_size=64)
+            ]
+            shapes += [Shape(n=t, op="kv", **main), Shape(n=t, op="kv", compress_ratio=4, **main)]
+            shapes += [Shape(n=t, op="kv", cache_format="nvfp4_v41", compress_ratio=2)]
+            shapes += [
+                Shape(n=t, op="kv_norm", head_dim=128, cache_format=f, compress_ratio=4)
+                for f in ("fp8_token", "mxfp4")
+            ]
     if which in ("records", "all"):  # the V4.1 and NVFP4 records (FORMAT_TARGETS)
         shapes += [Shape(n=t, h=64, p=64, cache_format="nvfp4_dsv4") for t in (1, 2048, 8192)]
         for fmt in ("nvfp4_dsv4", "nvfp4_v41", "mxfp8"):

@@ -37,7 +37,7 @@ def _main(s: dict) -> bool:
         64,
         "bf16",
         "qkv",
-    )
+    ) and _modes_of(s) == (True, True, "head_major")
 
 
 TARGETS = [
@@ -73,10 +73,48 @@ TARGETS = [
 ]
 
 
+def _is_mode(s: dict) -> bool:
+    """A shape of the `modes` set: a Q mode other than the full op, a compressed writer, or a
+    KV-only call of the sliding-window caches."""
+    return (
+        _modes_of(s) != (True, True, "head_major")
+        or s.get("compress_ratio", 1) != 1
+        or (s["op"] == "kv" and s["cache_format"] in ("fp8_ds_mla", "mxfp8"))
+    )
+
+
+def _modes_of(s: dict) -> tuple:
+    """A result's modes (.get: documents written before the modes existed have none)."""
+    return (s.get("apply_q_norm", True), s.get("apply_q_rope", True), s.get("q_layout", "head_major"))
+
+
+MODE_TARGETS = [
+    ShapeTarget(
+        "every mode, T >= 2048: of copy (bytes the mode moves)",
+        0.95,
+        "min",
+        "of_copy",
+        lambda s: _is_mode(s) and s["n"] >= 2048,
+    ),
+    ShapeTarget(
+        "KV-only and compressed writers, T = 1: us per call",
+        1.6,
+        "max",
+        "us",
+        lambda s: _is_mode(s) and s["op"] in ("kv", "kv_norm") and s["n"] == 1,
+    ),
+]
+# pairs at the same shape: a skipped Q step is never slower; the interleaved layout within 3%
+NO_SLOWER = Target("Q step skipped vs the full op: time ratio", 1.02, "max")  # 2%: replay-median noise
+INTERLEAVED_COST = Target("interleaved vs head-major Q, T >= 2048: time ratio", 1.03, "max")
+
+
 def _record(s: dict, op: str) -> bool:
-    return (s["head_dim"], s["block_size"], s["dtype"], s["op"]) == (512, 64, "bf16", op) and s[
-        "cache_format"
-    ] in RECORDS[op]
+    return (
+        (s["head_dim"], s["block_size"], s["dtype"], s["op"]) == (512, 64, "bf16", op)
+        and s["cache_format"] in RECORDS[op]
+        and not _is_mode(s)
+    )
 
 
 RECORDS = {"qkv": ("nvfp4_dsv4",), "kv": ("nvfp4_dsv4", "nvfp4_v41", "mxfp8")}
@@ -131,7 +169,7 @@ def check_targets(data: dict) -> list[dict]:
     """One row per (target, shape) plus the zero-once and host-overhead targets, each with met: bool."""
     rows = []
     results = data["results"]
-    for target in TARGETS + FORMAT_TARGETS:
+    for target in TARGETS + FORMAT_TARGETS + MODE_TARGETS:
         for r in results:
             m = _measures(r).get(target.metric)
             if target.applies(r["shape"]) and m is not None:
@@ -145,6 +183,7 @@ def check_targets(data: dict) -> list[dict]:
         if (n, True) in pads and (n, False) in pads:
             m = pads[(n, False)]["op"]["median_us"] / pads[(n, True)]["op"]["median_us"]
             rows.append(_row(ZERO_ONCE_SPEEDUP, f"T={n}", m))
+    rows += _mode_pairs(results)
     meta = data.get("meta", {})
     for when, host in (
         ("", meta.get("host_overhead")),
@@ -176,3 +215,26 @@ def summary(rows: list[dict]) -> str:
         missed = sum(not r["met"] for r in mine)
         parts.append(f"{kind} {len(mine) - missed} met, {missed} missed")
     return "; ".join(parts)
+
+
+def _mode_pairs(results: list[dict]) -> list[dict]:
+    """NO_SLOWER and INTERLEAVED_COST rows: each qkv mode result against the full op (head-major,
+    both Q steps) of the same format and T."""
+    rows = []
+    full = {}
+    for r in results:
+        s = r["shape"]
+        if s["op"] == "qkv" and _modes_of(s) == (True, True, "head_major"):
+            full[(s["cache_format"], s["n"], s["h"], s["p"])] = r["op"]["median_us"]
+    for r in results:
+        s = r["shape"]
+        base = full.get((s["cache_format"], s["n"], s["h"], s["p"]))
+        norm, rope, layout = _modes_of(s)
+        if s["op"] != "qkv" or base is None or (norm, rope, layout) == (True, True, "head_major"):
+            continue
+        ratio = r["op"]["median_us"] / base
+        if layout == "interleaved" and norm and rope and s["n"] >= 2048:
+            rows.append(_row(INTERLEAVED_COST, Shape(**s).label, ratio))
+        elif layout == "head_major":
+            rows.append(_row(NO_SLOWER, Shape(**s).label, ratio))
+    return rows
