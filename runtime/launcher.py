@@ -35,9 +35,11 @@ class Launcher:
         return self.config.ctas_per_sm * self.sm_count
 
     def order(self, values: dict) -> tuple:
-        """Every argument by name, in the compiled order (max_ctas defaults to this device's cap,
-        numerics to the cache format's default parity choices)."""
-        values = {"max_ctas": self.max_ctas, "numerics": self.variant.format.numerics_flags(), **values}
+        """Every argument by name, in the compiled order. Defaults: max_ctas this device's cap, numerics
+        the cache format's parity choices, the full op's modes (both Q steps, every row inserted)."""
+        defaults = {"max_ctas": self.max_ctas, "numerics": self.variant.format.numerics_flags()}
+        defaults.update((k, v) for k, v in (("q_flags", 0), ("compress_ratio", 1)) if k in self.arguments)
+        values = {**defaults, **values}
         missing = [a for a in self.arguments if a not in values]
         extra = sorted(set(values) - set(self.arguments))
         if missing or extra:
