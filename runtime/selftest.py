@@ -209,7 +209,7 @@ def run(launcher: Launcher, errors: torch.Tensor, arena: Arena) -> tuple[bool, s
     if v.op is Op.QKV:
         reference.qnorm_rope_kv_insert(
             want["q_in"], want["kv"], want["q_out"], want["k_cache"], slots, pos, cs, 1e-6, bs, v.cache_format,
-            kv_scale=kv_scale, q_scale=q_scale,
+            kv_scale=kv_scale, q_scale=q_scale, q_layout=v.q_layout,
         )  # fmt: skip
     else:
         reference.kv_rope_insert(

@@ -23,6 +23,7 @@ LANES_PER_ROW = 32  # lanes sharing one row; vector j -> lane j % LANES_PER_ROW
 ROWS_PER_PASS = 1  # rows one warp handles at once
 SLOTS = 2  # 128-bit vectors per lane per row
 TAIL_VECTOR = 56  # first vector of the rotated dims [D - R, D)
+SPECULATIVE_ROWS = 512  # compressed writers: calls up to this many rows load every row without waiting for its position
 
 # ---- parity choices: bits of the run-time `numerics` argument (attn_prologue.formats.NumericsFlag) --
 FP4_POSITIVE_ZERO = 2
@@ -215,8 +216,11 @@ class Kernel:
             if valid:
                 slot = Int64(args.slot_mapping[r])
                 position = Int64(args.positions[r])
-                wanted = args.compress_ratio == 1  # (then the row load does not wait for the position)
-                if not wanted:  # a compressed writer reads only the group-boundary rows
+                # a compressed writer of a large call reads only the group-boundary rows; otherwise (and
+                # for small calls, where the wait on the position would cost more than the bytes) the
+                # row load is issued with the position's, not after it
+                wanted = (args.compress_ratio == 1) | (args.slot_mapping.shape[0] <= SPECULATIVE_ROWS)
+                if not wanted:
                     wanted = (Int32(position) + 1) % args.compress_ratio == 0
                 if wanted:
                     for s in range_constexpr(SLOTS):
@@ -236,47 +240,48 @@ class Kernel:
             rows.append((slot, ok, frags, tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
             slot, ok, frags, tables = rows[u]
-            ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
-            for s in range_constexpr(SLOTS):
-                ys[s].store(frags[s].load().to(Float32))
-            self.rotate_tail(ys, tables, ok, sub)
-            if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
+            if cute.arch.vote_any_sync(ok):  # a warp whose rows are all skipped (DP padding, rows a compressed writer drops) has no work
+                ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
                 for s in range_constexpr(SLOTS):
-                    ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
-            xr = [ys[s].load() for s in range(SLOTS)]
-            block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
-            if slot > Int64(0x7FFFFFFF):
-                block = slot // Int64(args.block_size)
-            page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]
-            o = slot - block * Int64(args.block_size)
-            data = page + o * DATA_BYTES
-            scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
-            # per group: s = e4m3(amax / Float32(ELEMENT_MAX)), codes e2m1(x * fl(1 / s), 0 where s is 0)
-            for s in range_constexpr(SLOTS):
-                j = s * LANES_PER_ROW + sub
-                amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
-                r = amax / Float32(ELEMENT_MAX)
-                byte, scale = kl.e4m3_round(r)
-                y = xr[s] * cutlass.select_(scale == Float32(0.0), Float32(0.0), Float32(1.0) / scale)
-                packed = e2m1_pack8(y)
-                if (args.numerics & FP4_POSITIVE_ZERO) != 0:
-                    packed = kl.e2m1_positive_zeros(packed)
-                if ok:
-                    if j < QUANT_VECTORS:
-                        kl.store_u32(data, Int64(j * 4), packed)
-                        if sub % LANES_PER_BLOCK == 0:
-                            kl.store_byte(scales, Int64(j // LANES_PER_BLOCK), byte)
-                    else:
-                        tail = kl.register_vector(xr[s], cutlass.BFloat16)
-                        kl.store_vector(tail, data, Int64(QUANT_VECTORS * 4 + (j - QUANT_VECTORS) * 16), cutlass.BFloat16, 16)
-                        if j == QUANT_VECTORS:
-                            kl.store_byte(scales, Int64(NUM_SCALES + 0), 0)  # pad byte
-                        if j == QUANT_VECTORS:
-                            kl.store_byte(scales, Int64(NUM_SCALES + 1), 0)  # pad byte
-                        if j == QUANT_VECTORS:
-                            kl.store_byte(scales, Int64(NUM_SCALES + 2), 0)  # pad byte
-                        if j == QUANT_VECTORS:
-                            kl.store_byte(scales, Int64(NUM_SCALES + 3), 0)  # pad byte
+                    ys[s].store(frags[s].load().to(Float32))
+                self.rotate_tail(ys, tables, ok, sub)
+                if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
+                    for s in range_constexpr(SLOTS):
+                        ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+                xr = [ys[s].load() for s in range(SLOTS)]
+                block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
+                if slot > Int64(0x7FFFFFFF):
+                    block = slot // Int64(args.block_size)
+                page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]
+                o = slot - block * Int64(args.block_size)
+                data = page + o * DATA_BYTES
+                scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
+                # per group: s = e4m3(amax / Float32(ELEMENT_MAX)), codes e2m1(x * fl(1 / s), 0 where s is 0)
+                for s in range_constexpr(SLOTS):
+                    j = s * LANES_PER_ROW + sub
+                    amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
+                    quot = amax / Float32(ELEMENT_MAX)
+                    byte, scale = kl.e4m3_round(quot)
+                    y = xr[s] * cutlass.select_(scale == Float32(0.0), Float32(0.0), Float32(1.0) / scale)
+                    packed = e2m1_pack8(y)
+                    if (args.numerics & FP4_POSITIVE_ZERO) != 0:
+                        packed = kl.e2m1_positive_zeros(packed)
+                    if ok:
+                        if j < QUANT_VECTORS:
+                            kl.store_u32(data, Int64(j * 4), packed)
+                            if sub % LANES_PER_BLOCK == 0:
+                                kl.store_byte(scales, Int64(j // LANES_PER_BLOCK), byte)
+                        else:
+                            tail = kl.register_vector(xr[s], cutlass.BFloat16)
+                            kl.store_vector(tail, data, Int64(QUANT_VECTORS * 4 + (j - QUANT_VECTORS) * 16), cutlass.BFloat16, 16)
+                            if j == QUANT_VECTORS:
+                                kl.store_byte(scales, Int64(NUM_SCALES + 0), 0)  # pad byte
+                            if j == QUANT_VECTORS:
+                                kl.store_byte(scales, Int64(NUM_SCALES + 1), 0)  # pad byte
+                            if j == QUANT_VECTORS:
+                                kl.store_byte(scales, Int64(NUM_SCALES + 2), 0)  # pad byte
+                            if j == QUANT_VECTORS:
+                                kl.store_byte(scales, Int64(NUM_SCALES + 3), 0)  # pad byte
 
 
 def fake_arguments(config):

@@ -23,6 +23,7 @@ LANES_PER_ROW = 16  # lanes sharing one row; vector j -> lane j % LANES_PER_ROW
 ROWS_PER_PASS = 2  # rows one warp handles at once
 SLOTS = 1  # 128-bit vectors per lane per row
 TAIL_VECTOR = 8  # first vector of the rotated dims [D - R, D)
+SPECULATIVE_ROWS = 512  # compressed writers: calls up to this many rows load every row without waiting for its position
 
 # ---- parity choices: bits of the run-time `numerics` argument (attn_prologue.formats.NumericsFlag) --
 FP32_ROTATED_ROW = 4
@@ -188,8 +189,11 @@ class Kernel:
             if valid:
                 slot = Int64(args.slot_mapping[r])
                 position = Int64(args.positions[r])
-                wanted = args.compress_ratio == 1  # (then the row load does not wait for the position)
-                if not wanted:  # a compressed writer reads only the group-boundary rows
+                # a compressed writer of a large call reads only the group-boundary rows; otherwise (and
+                # for small calls, where the wait on the position would cost more than the bytes) the
+                # row load is issued with the position's, not after it
+                wanted = (args.compress_ratio == 1) | (args.slot_mapping.shape[0] <= SPECULATIVE_ROWS)
+                if not wanted:
                     wanted = (Int32(position) + 1) % args.compress_ratio == 0
                 if wanted:
                     for s in range_constexpr(SLOTS):
@@ -212,27 +216,28 @@ class Kernel:
             kl.load_vector_into(weights[s], kl.base_address(args.norm_weight), Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
         for u in range_constexpr(self.cfg.passes_per_warp):
             slot, ok, frags, tables = rows[u]
-            ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
-            # weighted RMSNorm, rounded through the I/O dtype before RoPE
-            xs = [f.load().to(Float32) for f in frags]
-            rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, args.eps)
-            for s in range_constexpr(SLOTS):
-                ys[s].store(((xs[s] * rinv) * weights[s].load().to(Float32)).to(IO_DTYPE).to(Float32))
-            self.rotate_tail(ys, tables, ok, sub)
-            if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
+            if cute.arch.vote_any_sync(ok):  # a warp whose rows are all skipped (DP padding, rows a compressed writer drops) has no work
+                ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
+                # weighted RMSNorm, rounded through the I/O dtype before RoPE
+                xs = [f.load().to(Float32) for f in frags]
+                rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, args.eps)
                 for s in range_constexpr(SLOTS):
-                    ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
-            xr = [ys[s].load() for s in range(SLOTS)]
-            block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
-            if slot > Int64(0x7FFFFFFF):
-                block = slot // Int64(args.block_size)
-            page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]
-            o = slot - block * Int64(args.block_size)
-            data = page + o * DATA_BYTES
-            for s in range_constexpr(SLOTS):
-                values = kl.register_vector(xr[s], cutlass.BFloat16)
-                if ok:
-                    kl.store_vector(values, data, Int64((s * LANES_PER_ROW + sub) * 16), cutlass.BFloat16, 16)
+                    ys[s].store(((xs[s] * rinv) * weights[s].load().to(Float32)).to(IO_DTYPE).to(Float32))
+                self.rotate_tail(ys, tables, ok, sub)
+                if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
+                    for s in range_constexpr(SLOTS):
+                        ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+                xr = [ys[s].load() for s in range(SLOTS)]
+                block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
+                if slot > Int64(0x7FFFFFFF):
+                    block = slot // Int64(args.block_size)
+                page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]
+                o = slot - block * Int64(args.block_size)
+                data = page + o * DATA_BYTES
+                for s in range_constexpr(SLOTS):
+                    values = kl.register_vector(xr[s], cutlass.BFloat16)
+                    if ok:
+                        kl.store_vector(values, data, Int64((s * LANES_PER_ROW + sub) * 16), cutlass.BFloat16, 16)
 
 
 def fake_arguments(config):

@@ -23,6 +23,7 @@ LANES_PER_ROW = 32  # lanes sharing one row; vector j -> lane j % LANES_PER_ROW
 ROWS_PER_PASS = 1  # rows one warp handles at once
 SLOTS = 2  # 128-bit vectors per lane per row
 TAIL_VECTOR = 56  # first vector of the rotated dims [D - R, D)
+SPECULATIVE_ROWS = 512  # compressed writers: calls up to this many rows load every row without waiting for its position
 
 # ---- parity choices: bits of the run-time `numerics` argument (attn_prologue.formats.NumericsFlag) --
 SCALE_FLOOR = 1
@@ -201,8 +202,11 @@ class Kernel:
             if valid:
                 slot = Int64(args.slot_mapping[r])
                 position = Int64(args.positions[r])
-                wanted = args.compress_ratio == 1  # (then the row load does not wait for the position)
-                if not wanted:  # a compressed writer reads only the group-boundary rows
+                # a compressed writer of a large call reads only the group-boundary rows; otherwise (and
+                # for small calls, where the wait on the position would cost more than the bytes) the
+                # row load is issued with the position's, not after it
+                wanted = (args.compress_ratio == 1) | (args.slot_mapping.shape[0] <= SPECULATIVE_ROWS)
+                if not wanted:
                     wanted = (Int32(position) + 1) % args.compress_ratio == 0
                 if wanted:
                     for s in range_constexpr(SLOTS):
@@ -225,39 +229,40 @@ class Kernel:
             kl.load_vector_into(weights[s], kl.base_address(args.norm_weight), Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
         for u in range_constexpr(self.cfg.passes_per_warp):
             slot, ok, frags, tables = rows[u]
-            ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
-            # weighted RMSNorm, rounded through the I/O dtype before RoPE
-            xs = [f.load().to(Float32) for f in frags]
-            rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, args.eps)
-            for s in range_constexpr(SLOTS):
-                ys[s].store(((xs[s] * rinv) * weights[s].load().to(Float32)).to(IO_DTYPE).to(Float32))
-            self.rotate_tail(ys, tables, ok, sub)
-            if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
+            if cute.arch.vote_any_sync(ok):  # a warp whose rows are all skipped (DP padding, rows a compressed writer drops) has no work
+                ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
+                # weighted RMSNorm, rounded through the I/O dtype before RoPE
+                xs = [f.load().to(Float32) for f in frags]
+                rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, args.eps)
                 for s in range_constexpr(SLOTS):
-                    ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
-            xr = [ys[s].load() for s in range(SLOTS)]
-            block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
-            if slot > Int64(0x7FFFFFFF):
-                block = slot // Int64(args.block_size)
-            page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]
-            o = slot - block * Int64(args.block_size)
-            data = page + o * DATA_BYTES
-            scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
-            # amax = max|x| per block; e = ceil(log2(max(amax, floor) / ELEMENT_MAX)) (SCALE_FLOOR: of max(amax / ELEMENT_MAX, floor)); values x * 2^-e
-            for s in range_constexpr(SLOTS):
-                j = s * LANES_PER_ROW + sub
-                amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
-                r = kl.fmax(amax, Float32(AMAX_FLOOR)) / Float32(ELEMENT_MAX)
-                if (args.numerics & SCALE_FLOOR) != 0:
-                    r = kl.fmax(amax / Float32(ELEMENT_MAX), Float32(AMAX_FLOOR))
-                byte = ue8m0_byte(r)
-                e = Int32(byte) - 127
-                y = xr[s] * kl.scale_multiplier(e)
-                values = kl.e4m3_vector(y)
-                if ok:
-                    kl.store_vector(values, data, Int64(j * VEC), cutlass.Float8E4M3FN, 8)
-                    if sub % LANES_PER_BLOCK == 0:
-                        kl.store_byte(scales, Int64(j // LANES_PER_BLOCK), byte)
+                    ys[s].store(((xs[s] * rinv) * weights[s].load().to(Float32)).to(IO_DTYPE).to(Float32))
+                self.rotate_tail(ys, tables, ok, sub)
+                if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
+                    for s in range_constexpr(SLOTS):
+                        ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+                xr = [ys[s].load() for s in range(SLOTS)]
+                block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
+                if slot > Int64(0x7FFFFFFF):
+                    block = slot // Int64(args.block_size)
+                page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]
+                o = slot - block * Int64(args.block_size)
+                data = page + o * DATA_BYTES
+                scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
+                # amax = max|x| per block; e = ceil(log2(max(amax, floor) / ELEMENT_MAX)) (SCALE_FLOOR: of max(amax / ELEMENT_MAX, floor)); values x * 2^-e
+                for s in range_constexpr(SLOTS):
+                    j = s * LANES_PER_ROW + sub
+                    amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
+                    quot = kl.fmax(amax, Float32(AMAX_FLOOR)) / Float32(ELEMENT_MAX)
+                    if (args.numerics & SCALE_FLOOR) != 0:
+                        quot = kl.fmax(amax / Float32(ELEMENT_MAX), Float32(AMAX_FLOOR))
+                    byte = ue8m0_byte(quot)
+                    e = Int32(byte) - 127
+                    y = xr[s] * kl.scale_multiplier(e)
+                    values = kl.e4m3_vector(y)
+                    if ok:
+                        kl.store_vector(values, data, Int64(j * VEC), cutlass.Float8E4M3FN, 8)
+                        if sub % LANES_PER_BLOCK == 0:
+                            kl.store_byte(scales, Int64(j // LANES_PER_BLOCK), byte)
 
 
 def fake_arguments(config):

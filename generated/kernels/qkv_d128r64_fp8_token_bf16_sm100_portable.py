@@ -302,34 +302,35 @@ class Kernel:
             rows.append((slot, ok, frags, tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
             slot, ok, frags, tables = rows[u]
-            ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
-            for s in range_constexpr(SLOTS):
-                ys[s].store(frags[s].load().to(Float32))
-            self.rotate_tail(ys, tables, ok, sub)
-            if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
+            if cute.arch.vote_any_sync(ok):  # a warp whose rows are all skipped (DP padding, rows a compressed writer drops) has no work
+                ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
                 for s in range_constexpr(SLOTS):
-                    ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
-            xr = [ys[s].load() for s in range(SLOTS)]
-            block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
-            if slot > Int64(0x7FFFFFFF):
-                block = slot // Int64(args.block_size)
-            page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]
-            o = slot - block * Int64(args.block_size)
-            data = page + o * DATA_BYTES
-            scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
-            # amax = max|x| per block; e = ceil(log2(max(amax, floor) * fl(1 / ELEMENT_MAX))); values x * 2^-e
-            for s in range_constexpr(SLOTS):
-                j = s * LANES_PER_ROW + sub
-                amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
-                r = kl.fmax(amax, Float32(AMAX_FLOOR)) * Float32(1.0 / ELEMENT_MAX)
-                byte = ue8m0_byte(r)
-                e = Int32(byte) - 127
-                y = xr[s] * kl.scale_multiplier(e)
-                values = kl.e4m3_vector(y)
-                if ok:
-                    kl.store_vector(values, data, Int64(j * VEC), cutlass.Float8E4M3FN, 8)
-                    if sub % LANES_PER_BLOCK == 0:
-                        kl.store_f32(scales, Int64(j // LANES_PER_BLOCK * 4), kl.pow2(e))
+                    ys[s].store(frags[s].load().to(Float32))
+                self.rotate_tail(ys, tables, ok, sub)
+                if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
+                    for s in range_constexpr(SLOTS):
+                        ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+                xr = [ys[s].load() for s in range(SLOTS)]
+                block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
+                if slot > Int64(0x7FFFFFFF):
+                    block = slot // Int64(args.block_size)
+                page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]
+                o = slot - block * Int64(args.block_size)
+                data = page + o * DATA_BYTES
+                scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
+                # amax = max|x| per block; e = ceil(log2(max(amax, floor) * fl(1 / ELEMENT_MAX))); values x * 2^-e
+                for s in range_constexpr(SLOTS):
+                    j = s * LANES_PER_ROW + sub
+                    amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
+                    quot = kl.fmax(amax, Float32(AMAX_FLOOR)) * Float32(1.0 / ELEMENT_MAX)
+                    byte = ue8m0_byte(quot)
+                    e = Int32(byte) - 127
+                    y = xr[s] * kl.scale_multiplier(e)
+                    values = kl.e4m3_vector(y)
+                    if ok:
+                        kl.store_vector(values, data, Int64(j * VEC), cutlass.Float8E4M3FN, 8)
+                        if sub % LANES_PER_BLOCK == 0:
+                            kl.store_f32(scales, Int64(j // LANES_PER_BLOCK * 4), kl.pow2(e))
 
 
 def fake_arguments(config):

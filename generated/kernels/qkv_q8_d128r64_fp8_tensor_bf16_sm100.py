@@ -294,25 +294,26 @@ class Kernel:
             rows.append((slot, ok, frags, tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
             slot, ok, frags, tables = rows[u]
-            ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
-            for s in range_constexpr(SLOTS):
-                ys[s].store(frags[s].load().to(Float32))
-            self.rotate_tail(ys, tables, ok, sub)
-            if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
+            if cute.arch.vote_any_sync(ok):  # a warp whose rows are all skipped (DP padding, rows a compressed writer drops) has no work
+                ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
                 for s in range_constexpr(SLOTS):
-                    ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
-            xr = [ys[s].load() for s in range(SLOTS)]
-            block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
-            if slot > Int64(0x7FFFFFFF):
-                block = slot // Int64(args.block_size)
-            page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]
-            o = slot - block * Int64(args.block_size)
-            data = page + o * DATA_BYTES
-            scale = args.kv_scale[0]
-            for s in range_constexpr(SLOTS):
-                values = kl.e4m3_vector(xr[s] / scale)  # IEEE division, then saturating e4m3
-                if ok:
-                    kl.store_vector(values, data, Int64((s * LANES_PER_ROW + sub) * VEC), cutlass.Float8E4M3FN, 8)
+                    ys[s].store(frags[s].load().to(Float32))
+                self.rotate_tail(ys, tables, ok, sub)
+                if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
+                    for s in range_constexpr(SLOTS):
+                        ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+                xr = [ys[s].load() for s in range(SLOTS)]
+                block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
+                if slot > Int64(0x7FFFFFFF):
+                    block = slot // Int64(args.block_size)
+                page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]
+                o = slot - block * Int64(args.block_size)
+                data = page + o * DATA_BYTES
+                scale = args.kv_scale[0]
+                for s in range_constexpr(SLOTS):
+                    values = kl.e4m3_vector(xr[s] / scale)  # IEEE division, then saturating e4m3
+                    if ok:
+                        kl.store_vector(values, data, Int64((s * LANES_PER_ROW + sub) * VEC), cutlass.Float8E4M3FN, 8)
 
 
 def fake_arguments(config):
