@@ -145,7 +145,7 @@ def input_sets(shape: Shape, sets: int) -> list[dict]:
                 * shape.block_size
                 + torch.arange(num_blocks * shape.block_size, device="cuda") % shape.block_size
             )[:n].contiguous(),
-            "positions": torch.randint(0, max_pos, (n,), device="cuda", generator=g),
+            "positions": _positions(shape, max_pos, g),
             "cos_sin_cache": cos_sin,
         }
         if fmt.needs_tensor_scale:
@@ -163,6 +163,17 @@ def input_sets(shape: Shape, sets: int) -> list[dict]:
             s["norm_weight"] = (torch.rand(d, device="cuda", generator=g) + 0.5).to(dt)
         out.append(s)
     return out
+
+
+def _positions(shape: Shape, max_pos: int, g) -> torch.Tensor:
+    """Random positions; for a compressed writer exactly one row in compress_ratio is a group boundary
+    ((p + 1) % r == 0), row 0 among them, so T=1 times a row that is inserted."""
+    pos = torch.randint(0, max_pos, (shape.n,), device="cuda", generator=g)
+    r = shape.compress_ratio
+    if r == 1:
+        return pos
+    offset = (torch.arange(shape.n, device="cuda") + r - 1) % r  # r - 1 (a boundary) for rows 0, r, 2r, ...
+    return (pos // r * r + offset).clamp_max(max_pos // r * r - 1)
 
 
 def sets_for_cold_l2(shape: Shape) -> int:
