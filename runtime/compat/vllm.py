@@ -343,7 +343,11 @@ class VllmOps:
                 lib.define(f"{name}{schema}")
             lib.impl(name, lambda *a, _impl=impl: _impl(False, *a), "CPU")
             lib.impl(name, lambda *a, _impl=impl: _impl(True, *a), "CUDA")
-            torch.library.register_fake(f"{ns}::{name}", fake, lib=lib)
+            try:
+                torch.library.register_fake(f"{ns}::{name}", fake, lib=lib)
+            except RuntimeError:  # a torch without allow_override, and the engine's op has a fake already
+                if theirs is None:
+                    raise
         self.qkv_op, self.kv_op = (getattr(getattr(torch.ops, ns), n) for n in self.names)
 
     def close(self) -> None:
