@@ -256,6 +256,7 @@ class VllmOps:
         self.namespace, self.form, self.pool, self.cache_format = namespace, form, pool, cache_format
         self.names = (qkv_name, kv_name)
         self._scratch = _Scratch(pool, micro_batch, pad_heads)
+        self._empty: dict[tuple, Tensor] = {}
         self._libraries: list[torch.library.Library] = []
         impls = {
             "allocating": self._allocating,
@@ -278,7 +279,7 @@ class VllmOps:
         )
         if q_head_padded == 0:  # no Q: q is not read
             _kv(on_cuda, kv, pages, slot_mapping, positions, cos_sin_cache, block_size, fmt, None)
-            return kv.new_empty((kv.shape[0], 0, kv.shape[1]))  # no element: nothing is allocated
+            return self._no_q(kv)
         if q_head_padded < 0:
             raise InputError(f"q_head_padded must be >= 0, got {q_head_padded}")
         layout = "interleaved" if is_q_interleaved else "head_major"
@@ -287,6 +288,15 @@ class VllmOps:
              write_pad_heads=self._scratch.writes_pads, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope,
              q_layout=layout)  # fmt: skip
         return q_out
+
+    def _no_q(self, kv: Tensor) -> Tensor:
+        """The KV-only call's q_padded: [N, 0, D], made once per (device, dtype, N, D) so that later
+        calls create nothing at all (it has no element to write)."""
+        key = (kv.device, kv.dtype, kv.shape[0], kv.shape[1])
+        out = self._empty.get(key)
+        if out is None:
+            out = self._empty[key] = kv.new_empty((kv.shape[0], 0, kv.shape[1]))
+        return out
 
     def _q_out_second(self, on_cuda, q_in, q_out, kv, k_cache, slot_mapping, position_ids, cos_sin_cache,
                       eps, cache_block_size):  # fmt: skip
