@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 from .api import BoundKvOp, BoundOp, bind, bind_kv
 from .codecs import decode_cache
 from .dispatch import Runtime, default_runtime
-from .errors import AttnPrologueError, InputError, ScratchError, UnsupportedError
+from .errors import AttnPrologueError, InputError, RegistrationError, ScratchError, UnsupportedError
 from .formats import FORMATS, get_format
 from .launch import LaunchConfig
 from .scratch import ScratchPool
@@ -26,6 +26,7 @@ __all__ = [
     "BoundOp",
     "InputError",
     "LaunchConfig",
+    "RegistrationError",
     "Runtime",
     "ScratchError",
     "ScratchPool",

@@ -125,6 +125,7 @@ class BoundOp:
                 pool.claim(
                     num_heads,
                     owner=self,  # told (invalidate) when the pool retires the buffer
+                    q_layout=layout.value,  # the live elements of a zero-once buffer depend on it
                     padded_heads=p,
                     head_dim=head_dim,
                     dtype=out_dtype,

@@ -15,3 +15,8 @@ class InputError(AttnPrologueError, ValueError):
 
 class ScratchError(AttnPrologueError, RuntimeError):
     """The scratch pool cannot serve a request (too many tokens after locking, wrong key)."""
+
+
+class RegistrationError(AttnPrologueError, RuntimeError):
+    """Ops cannot be registered under the asked name: it is taken by an op of another schema, or by
+    one the caller did not ask to override (attn_prologue.compat)."""

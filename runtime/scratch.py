@@ -23,6 +23,12 @@ from .errors import ScratchError
 class _Buffer:
     tensor: torch.Tensor
     live_heads: int | None = None  # the H whose kernels write it (zero-once: pads [H, P) stay zero)
+    # the Q layout of those kernels: which elements are live differs between layouts, so a zero-once
+    # buffer serves one (H, layout)
+    q_layout: str | None = None
+    # claimed by writers that store every head [0, P) on every call (pads as zeros): any H, any
+    # layout, but never zero-once as well (their views may be written by whoever reads them)
+    pads_written: bool = False
     views: dict = field(default_factory=dict)
     # bound ops writing this buffer: told when it is retired (released, or replaced by a larger one)
     claimants: weakref.WeakSet = field(default_factory=weakref.WeakSet)
@@ -91,7 +97,9 @@ class ScratchPool:
                     buf.retire(f"replaced by a larger one ({max_tokens} tokens)")
                     added -= buf.tensor.numel() * buf.tensor.element_size()
                 t = torch.zeros((max_tokens, padded_heads, head_dim), dtype=dtype, device=key[0])
-                self._buffers[key] = _Buffer(t, buf.live_heads if buf else None)
+                self._buffers[key] = (
+                    _Buffer(t, buf.live_heads, buf.q_layout, buf.pads_written) if buf else _Buffer(t)
+                )
                 added += t.numel() * t.element_size()
         return added
 
@@ -134,10 +142,20 @@ class ScratchPool:
             )
         return buf.tensor
 
-    def claim(self, live_heads: int, *, owner=None, **key) -> torch.Tensor:
-        """Bind a live-head count to a buffer (zero-once): every kernel writing it must use the same
-        H, or heads [H, P) would keep another H's values instead of zeros. `owner` (a bound op) is
-        told through `owner.invalidate(reason)` when the buffer is released or replaced."""
+    def claim(
+        self,
+        live_heads: int,
+        *,
+        owner=None,
+        q_layout: str = "head_major",
+        writes_pads: bool = False,
+        **key,
+    ) -> torch.Tensor:
+        """Bind a live-head count and Q layout to a buffer (zero-once): every kernel writing it must use
+        the same H and layout, or the pad elements would keep another writer's values instead of
+        zeros. `writes_pads=True` claims it instead for writers that store all P heads on every call
+        (pads as zeros): any H and layout, but then no zero-once claim. `owner` (a bound op) is told
+        through `owner.invalidate(reason)` when the buffer is released or replaced."""
         k = self._key(
             key.get("device"),
             key.get("micro_batch", 0),
@@ -147,12 +165,26 @@ class ScratchPool:
         )
         self.buffer(**key)
         buf = self._buffers[k]
-        if buf.live_heads is not None and buf.live_heads != live_heads:
-            raise ScratchError(
-                f"scratch buffer {k} already serves H={buf.live_heads} live heads; a zero-once buffer "
-                f"cannot also serve H={live_heads} (reserve another P, or use write-zeros mode)"
-            )
-        buf.live_heads = live_heads
+        if writes_pads:
+            if buf.live_heads is not None:
+                raise ScratchError(
+                    f"scratch buffer {k} is zero-once for H={buf.live_heads} ({buf.q_layout}); a writer of "
+                    "every head cannot share it (its readers may write its pads): reserve another P or pool"
+                )
+            buf.pads_written = True
+        else:
+            if buf.pads_written:
+                raise ScratchError(
+                    f"scratch buffer {k} is claimed by writers of every head (pads rewritten per call), "
+                    f"so it cannot be zero-once for H={live_heads}: reserve another P or pool"
+                )
+            if buf.live_heads is not None and (buf.live_heads, buf.q_layout) != (live_heads, q_layout):
+                raise ScratchError(
+                    f"scratch buffer {k} already serves H={buf.live_heads} live heads ({buf.q_layout}); a "
+                    f"zero-once buffer cannot also serve H={live_heads} ({q_layout}) (reserve another P, "
+                    "or use write-zeros mode)"
+                )
+            buf.live_heads, buf.q_layout = live_heads, q_layout
         if owner is not None:
             buf.claimants.add(owner)
         return buf.tensor

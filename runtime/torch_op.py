@@ -53,7 +53,7 @@ def _qkv_cuda(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_si
 
 
 def _qkv_fake(q_in, *_):
-    _refuse_meta(q_in)
+    refuse_meta(q_in)
 
 
 def _kv_cpu(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, numerics="", compress_ratio=1):
@@ -67,7 +67,7 @@ def _kv_cuda(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="f
 
 
 def _kv_fake(kv, *_):
-    _refuse_meta(kv)
+    refuse_meta(kv)
 # fmt: on
 
 
@@ -80,7 +80,7 @@ for _name, _cpu, _cuda, _fake in (
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=_library)
 
 
-def _refuse_meta(t: Tensor) -> None:
+def refuse_meta(t: Tensor) -> None:
     """The fake implementation traces (outputs are caller-owned: nothing to compute). Called eagerly
     on real meta tensors it would be a silent no-op that looks like success: refuse that."""
     if t.device.type == "meta" and not is_fake(t):

@@ -197,6 +197,28 @@ def test_a_bound_op_is_told_when_its_scratch_buffer_is_released():
     assert rt.kernel.calls == 1 and op.buffers == []
 
 
+def test_a_zero_once_claim_is_for_one_head_count_and_one_q_layout():
+    """The live elements of a zero-once buffer depend on the Q layout as well as on H (interleaved Q
+    puts head h's dims in 16-element chunks P * 16 apart), so a second layout is refused like a
+    second H; writers of every head (pads rewritten per call) never share a zero-once buffer."""
+    key = dict(padded_heads=64, head_dim=512, device="cpu")
+    pool = ap.ScratchPool()
+    pool.reserve(max_tokens=4, micro_batches=2, **key)
+    pool.claim(16, **key)
+    pool.claim(16, q_layout="head_major", **key)  # the same claim again is fine
+    with pytest.raises(ScratchError, match=r"H=16 live heads \(head_major\).*H=16 \(interleaved\)"):
+        pool.claim(16, q_layout="interleaved", **key)
+    with pytest.raises(ScratchError, match="a writer of every head cannot share it"):
+        pool.claim(16, writes_pads=True, **key)
+    pool.claim(16, writes_pads=True, micro_batch=1, **key)
+    pool.claim(48, q_layout="interleaved", writes_pads=True, micro_batch=1, **key)  # any H, any layout
+    with pytest.raises(ScratchError, match="cannot be zero-once for H=16"):
+        pool.claim(16, micro_batch=1, **key)
+    pool.view(8, micro_batch=1, **key)  # grows (not locked): the new buffer keeps the claim's kind
+    with pytest.raises(ScratchError, match="cannot be zero-once"):
+        pool.claim(16, micro_batch=1, **key)
+
+
 def test_claimants_are_held_weakly():
     import gc
 
