@@ -40,7 +40,8 @@ def _fakes(v: Variant) -> dict[str, Argument]:
         "norm_weight": f"make_fake_compact_tensor({io}, ({d},), assumed_align=16)",
         "k_cache": f"make_fake_tensor(Uint8, ({sym}, {sym}), (cute.sym_int64(divisibility=16), 1), assumed_align=16)",
         "slot_mapping": (
-            f"make_fake_compact_tensor(Int32 if config.slots32 else Int64, ({sym},), assumed_align=4)"
+            f"make_fake_compact_tensor(Int32 if config.slots32 else Int64, ({sym},), "
+            "assumed_align=4 if config.slots32 else 8)"  # 8: one 64-bit load, not two 32-bit halves
         ),
         "positions": f"make_fake_compact_tensor(Int64, ({tokens},), assumed_align=8)",
         "cos_sin_cache": f"make_fake_compact_tensor(Float32, ({sym}, ROPE_DIM), stride_order=(1, 0), assumed_align=16)",

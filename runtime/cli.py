@@ -28,7 +28,7 @@ def cmd_list(args) -> int:
     print("Cache formats (per token; records first, scale records in a footer after all records):\n")
     print(_table(layout_rows(args.head_dim)))
     if args.why:
-        from .formats import NUMERICS_HELP, numerics_rows
+        from .formats import FORMATS, NUMERICS_HELP, numerics_rows
 
         print(
             "\nParity choices per format (run-time: `numerics=` on every entry point, the same rule in the"
@@ -37,6 +37,15 @@ def cmd_list(args) -> int:
         print(_table(numerics_rows()))
         for choice, text in NUMERICS_HELP.items():
             print(f"  {type(choice).__name__}.{choice.name} ({choice.value}): {text}")
+        print(
+            "\nOther run-time modes (arguments of every kernel, not variant axes: each is a uniform branch):\n"
+            "  apply_q_norm / apply_q_rope (qkv, `q_flags` bits): skip the Q RMSNorm / the Q RoPE\n"
+            "  compress_ratio r (kv, kv_norm): insert only rows with (position + 1) % r == 0, RoPE at\n"
+            "    position // r * r (the compressed-cache and indexer-key writers); ratios per format:\n"
+            + "".join(f"    {f.name}: {', '.join(map(str, f.compress_ratios))}\n" for f in FORMATS.values())
+            + "  int32 slot ids: the same module compiled for that width (launch config `_s32`)\n"
+            "  the Q layout is an axis (`_qi`: FlashMLA's chunk-interleaved Q), its addressing differs"
+        )
     if args.variants:
         from .codegen.variants import dropped_combinations, variant_space  # noqa: F401
 

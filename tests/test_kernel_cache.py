@@ -73,6 +73,39 @@ def test_corrupted_entry_is_detected_and_rebuilt(built, tmp_path, how):
     assert fresh.compiles == 0
 
 
+def _unloadable(cache: KernelCache, key: KernelKey) -> None:
+    """Make the entry intact by every check (its recorded hash is its bytes') but not a loadable
+    shared object: what a .so linked against another machine's runtime looks like to the cache."""
+    d = cache.entry_dir(key)
+    junk = b"\x7fELF not a shared object of this machine"
+    (d / "kernel.so").write_bytes(junk)
+    meta = json.loads((d / "meta.json").read_text())
+    meta["so_sha256"] = hashlib.sha256(junk).hexdigest()
+    (d / "meta.json").write_text(json.dumps(meta))
+    assert cache.read_meta(key) is not None
+
+
+def test_an_intact_entry_that_does_not_load_is_rebuilt_once(tmp_path):
+    from attn_prologue.jit.kernel_cache import KernelLoadError
+
+    cache = KernelCache(tmp_path / "cache")
+    cache.ensure_built(CHEAP)  # one cheap kernel, compiled here (no GPU needed)
+    _unloadable(cache, CHEAP)
+    with pytest.raises(KernelLoadError, match=str(cache.entry_dir(CHEAP))):
+        KernelCache(cache.root).load(CHEAP, compile_if_missing=False)  # no rebuild asked: the typed error
+    fresh = KernelCache(cache.root)
+    with pytest.warns(CorruptEntryWarning, match="did not load on this machine.*rebuilding it once"):
+        fn = fresh.load(CHEAP)
+    assert callable(fn) and fresh.compiles == 1
+    so = (fresh.entry_dir(CHEAP) / "kernel.so").read_bytes()
+    assert hashlib.sha256(so).hexdigest() == fresh.read_meta(CHEAP)["so_sha256"]
+    assert len(so) > 1000  # the rebuilt object, not the junk
+    _unloadable(fresh, CHEAP)
+    fresh._loaded.clear()
+    with pytest.raises(KernelLoadError):  # a shared (read-only) cache never rebuilds
+        KernelCache(cache.root, trust="shared").load(CHEAP)
+
+
 @pytest.mark.slow
 def test_intact_entry_is_not_rebuilt(built, tmp_path):
     cache = _copy_entry(built, CHEAP, tmp_path / "cache")

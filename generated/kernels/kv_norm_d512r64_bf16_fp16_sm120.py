@@ -248,7 +248,7 @@ def fake_arguments(config):
         make_fake_tensor(IO_DTYPE, (cute.sym_int32(), HEAD_DIM), (cute.sym_int64(divisibility=8), 1), assumed_align=16),
         make_fake_compact_tensor(IO_DTYPE, (HEAD_DIM,), assumed_align=16),
         make_fake_tensor(Uint8, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(divisibility=16), 1), assumed_align=16),
-        make_fake_compact_tensor(Int32 if config.slots32 else Int64, (cute.sym_int32(),), assumed_align=4),
+        make_fake_compact_tensor(Int32 if config.slots32 else Int64, (cute.sym_int32(),), assumed_align=4 if config.slots32 else 8),
         make_fake_compact_tensor(Int64, (cute.sym_int32(),), assumed_align=8),
         make_fake_compact_tensor(Float32, (cute.sym_int32(), ROPE_DIM), stride_order=(1, 0), assumed_align=16),
         make_fake_compact_tensor(Int32, (2,), assumed_align=4),

@@ -108,6 +108,12 @@ def preload_runtime() -> Path:
     return lib
 
 
+def toolchain_available() -> bool:
+    """Can this process compile kernels (the CuTe DSL importable)? A serving host with prebuilt
+    kernels only may not have it."""
+    return importlib.util.find_spec("cutlass") is not None
+
+
 def load_module(variant: str):
     return importlib.import_module(f"{KERNELS_PACKAGE}.{variant}")
 

@@ -213,9 +213,10 @@ class KernelCache:
         return meta, so
 
     # ---- building --------------------------------------------------------------------------------
-    def ensure_built(self, key: KernelKey) -> dict:
-        """Build the entry unless an intact one exists; safe against concurrent builders."""
-        meta = self.read_meta(key)
+    def ensure_built(self, key: KernelKey, *, rebuild: bool = False) -> dict:
+        """Build the entry unless an intact one exists (rebuild=True: even then); safe against
+        concurrent builders."""
+        meta = None if rebuild else self.read_meta(key)
         if meta is not None:
             return meta
         if self.trust == "shared":
@@ -227,7 +228,7 @@ class KernelCache:
         self._make_private_dirs(d.parent)
         self.check_trusted(d.parent)
         with self._build_lock(d):
-            meta = self.read_meta(key)  # another process may have finished it meanwhile
+            meta = None if rebuild else self.read_meta(key)  # another process may have finished it meanwhile
             if meta is not None:
                 return meta
             if d.exists() and any(d.iterdir()):  # (an interrupted build leaves a partial folder)
@@ -301,7 +302,19 @@ class KernelCache:
                     raise KernelLoadError(
                         f"kernel cache entry {self.entry_dir(key)} vanished after its build"
                     )
-            fn = self._load_verified(key, so)
+            try:
+                fn = self._load_verified(key, so)
+            except KernelLoadError as exc:
+                if not (compile_if_missing and self.trust != "shared" and compiler.toolchain_available()):
+                    raise
+                # an intact entry that does not load here (e.g. linked against another runtime): build
+                # it again on this machine, once; a second failure is the error
+                warnings.warn(f"{exc}; rebuilding it once", CorruptEntryWarning)
+                self.ensure_built(key, rebuild=True)
+                meta, so = self._read_entry(key)
+                if meta is None:
+                    raise
+                fn = self._load_verified(key, so)
             self._loaded[key] = fn
             return fn
 
