@@ -27,6 +27,18 @@ from .scratch import ScratchPool
 from .variants import INTERLEAVED_PADDED_HEADS, IoDtype, Op, QLayout, QOut, Request, q_flags
 
 
+def _bind_device(device, what: str) -> torch.device:
+    """The CUDA device a bound op runs on (the current one when no index is given)."""
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    if device.type != "cuda":
+        raise InputError(f"{what}() needs a CUDA device, got {device}")
+    if not torch.cuda.is_available():
+        raise UnsupportedError(f"no CUDA device is available: {what}() needs an NVIDIA GPU")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class BoundOp:
     """qnorm_rope_kv_insert bound to one layer's shapes, device, cache format and scratch."""
 
@@ -54,13 +66,7 @@ class BoundOp:
         config: LaunchConfig | None = None,
         runtime: Runtime | None = None,
     ):
-        device = torch.device(device) if device is not None else torch.device("cuda")
-        if device.type != "cuda":
-            raise InputError(f"bind() needs a CUDA device, got {device}")
-        if not torch.cuda.is_available():
-            raise UnsupportedError("no CUDA device is available: bind() needs an NVIDIA GPU")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _bind_device(device, "bind")
         p = padded_heads or num_heads
         if p < num_heads:
             raise InputError(f"padded_heads={p} is smaller than num_heads={num_heads}")
@@ -305,13 +311,7 @@ class BoundKvOp:
         config: LaunchConfig | None = None,
         runtime: Runtime | None = None,
     ):
-        device = torch.device(device) if device is not None else torch.device("cuda")
-        if device.type != "cuda":
-            raise InputError(f"bind_kv() needs a CUDA device, got {device}")
-        if not torch.cuda.is_available():
-            raise UnsupportedError("no CUDA device is available: bind_kv() needs an NVIDIA GPU")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _bind_device(device, "bind_kv")
         io = IoDtype.of_torch(dtype)
         if io is None:
             raise InputError(f"dtype must be bfloat16 or float16, got {dtype}")
