@@ -151,3 +151,31 @@ def test_modes_trace_under_torch_compile_without_graph_breaks():
                              compress_ratio=4)  # fmt: skip
     assert torch.equal(a["k_cache"], b["k_cache"])
     assert torch.equal(a["q_out"].view(torch.int16), b["q_out"].view(torch.int16))
+
+
+def test_parity_choices_reach_the_cpu_path_in_either_spelling_and_a_missing_one_writes_nothing():
+    from attn_prologue.formats import Numerics, NumericsError, ScaleFloor
+
+    a, b = inputs(fmt="mxfp8", seed=9), inputs(fmt="mxfp8", seed=9)
+    for x in (a, b):
+        x["kv"][:3] *= 1e-4  # small blocks: the two scale floors give different bytes
+    qkv(a, "mxfp8", numerics="scale_floor=scale")
+    reference.qnorm_rope_kv_insert(b["q_in"], b["kv"], b["q_out"], b["k_cache"], b["slot_mapping"], b["positions"],
+                                   b["cos_sin_cache"], 1e-6, 16, "mxfp8",
+                                   numerics=Numerics(scale_floor=ScaleFloor.SCALE))  # fmt: skip
+    assert torch.equal(a["k_cache"], b["k_cache"])
+    c = inputs(fmt="mxfp8", seed=9)
+    c["kv"][:3] *= 1e-4
+    qkv(c, "mxfp8")  # the default floor differs on those blocks
+    assert not torch.equal(c["k_cache"], a["k_cache"])
+    d = inputs(fmt="nvfp4_v41", seed=9)
+    before = d["k_cache"].clone()
+    with pytest.raises(
+        NumericsError, match="nvfp4_v41 has no scale_floor choice.*fp4_zero=positive\\|signed"
+    ):
+        kv_rope_insert(d["kv"], d["k_cache"], d["slot_mapping"], d["positions"], d["cos_sin_cache"], 16,
+                       "nvfp4_v41", numerics="scale_floor=scale")  # fmt: skip
+    with pytest.raises(NumericsError, match="not a parity choice"):
+        kv_rope_insert(d["kv"], d["k_cache"], d["slot_mapping"], d["positions"], d["cos_sin_cache"], 16,
+                       "nvfp4_v41", numerics="fp4_zero=negative")  # fmt: skip
+    assert torch.equal(d["k_cache"], before)
