@@ -330,13 +330,13 @@ class BoundKvOp:
             float(eps),
         )
         self.norm_weight, self.kv_scale, self.compress_ratio = norm_weight, kv_scale, compress_ratio
-        self._lead = (("kv", "norm_weight") if norm_weight is not None else ("kv",)) + ops.KV_TENSORS[1:]
-        values = dict(
+        # the caller's tensors (and the bound kv_scale), then what every call passes after them
+        self._lead = ops.leading(("kv", "norm_weight", *ops.KV_TENSORS[1:]) if norm_weight is not None
+                                 else ops.KV_TENSORS, kv_scale, None)  # fmt: skip
+        self._values = dict(
             errors=rt.errors_buffer(device), block_size=block_size, checked=1 if checked else 0,
             numerics=flags, compress_ratio=compress_ratio, **({"eps": self.eps} if norm_weight is not None else {}),
-            **({"kv_scale": kv_scale} if kv_scale is not None else {}),
         )  # fmt: skip
-        self._values = values
         self._calls_by_dtype: dict = {}
         self._slot_dtype, self._calls = None, None
         self._use_slot_dtype(torch.int64)  # binds (and self-tests) now: UnsupportedError early
@@ -348,9 +348,9 @@ class BoundKvOp:
             launchers = self._rt.launchers(
                 self._request, self.device, config=self._config, slots32=dtype == torch.int32
             )
-            lead = self._lead + (("kv_scale",) if self.kv_scale is not None else ())
-            values = {k: v for k, v in self._values.items() if k != "kv_scale"}
-            calls = self._calls_by_dtype[dtype] = [(la.fn, la.tail(lead, **values)) for la in launchers]
+            calls = self._calls_by_dtype[dtype] = [
+                (la.fn, la.tail(self._lead, **self._values)) for la in launchers
+            ]
         self._slot_dtype, self._calls = dtype, calls
 
     def __call__(self, kv, k_cache, slot_mapping, positions, cos_sin_cache) -> None:

@@ -77,7 +77,7 @@ class Numerics:
     def parse(cls, text: str) -> Numerics:
         """The inverse of str(): "scale_floor=scale, fp4_zero=signed" (empty: the format defaults).
         The torch ops take the choices in this spelling (a schema has no dataclass type)."""
-        fields = {"scale_floor": ScaleFloor, "fp4_zero": Fp4Zero, "rotated_row": RotatedRow}
+        fields = {field: type(value) for field, (value, _) in NUMERICS_FLAGS.items()}  # field -> its enum
         out = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, _, value = part.partition("=")
