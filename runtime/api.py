@@ -151,6 +151,7 @@ class BoundOp:
         self._k_cache, self._k_range, self._cos_sin_cache, self._fixed = None, (0, 0), None, ()
         self._q_row, self._kv_row = 2 * num_heads * head_dim, 2 * head_dim  # bytes of a q_in row, a kv row
         self._invalid: str | None = None
+        self._fast = None  # the native plan's call (native/fastpath.h), made after each full check
 
     def _bucket_calls(self, launchers) -> list:
         return [(la.fn, la.tail(ops.QKV_TENSORS, **self._values)) for la in launchers]
@@ -170,7 +171,7 @@ class BoundOp:
         refuse every later call with a ScratchError saying why."""
         self._invalid = reason
         self.capacity = -1  # every call now takes the full check, which raises
-        self.buffers, self._out = [], {}
+        self.buffers, self._out, self._fast = [], {}, None
 
     def __call__(self, q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, *, micro_batch: int = 0):
         """Run the op; returns q_out: [N, P, D] (a scratch view), or q_in itself when written in place.
@@ -178,7 +179,17 @@ class BoundOp:
         Checked here per call: M <= N, N fits the scratch, the micro-batch, overlap between what the
         call writes and its inputs, and (when k_cache or cos_sin_cache is not the one of the last call)
         the whole argument list. The compiled function checks the rest (dtypes, shapes, strides,
-        alignment, device, equal row counts of q_in, kv and positions)."""
+        alignment, device, equal row counts of q_in, kv and positions). The native plan does the
+        per-call checks and the call in C; what it refuses (or n == 0) takes the Python path."""
+        fast = self._fast
+        if fast is not None:
+            out = fast(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch)
+            if out is not False:
+                return out if out is not True else self._view(q_in.shape[0], micro_batch)
+        return self._call(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch)
+
+    def _call(self, q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch):
+        """__call__ in Python: the same checks as the native plan's, and the full check when needed."""
         shape = q_in.shape
         n, m = shape[0], slot_mapping.shape[0]
         if (
@@ -192,6 +203,7 @@ class BoundOp:
         ):
             self._full_check(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch)
             self._use_slot_dtype(slot_mapping.dtype)
+            self._fast = self._native_call()
         if self.in_place:
             out, views = q_in, None
         else:
@@ -211,6 +223,12 @@ class BoundOp:
         if views is None:
             return out
         v = views.get(n)
+        return v if v is not None else self._view(n, micro_batch)
+
+    def _view(self, n: int, micro_batch: int) -> torch.Tensor:
+        """The q_out view returned for n tokens, made once per (micro-batch, n)."""
+        views = self._out[micro_batch][1]
+        v = views.get(n)
         if v is None:
             v = views[n] = self.pool.view(
                 n,
@@ -221,6 +239,16 @@ class BoundOp:
                 device=self.device,
             )
         return v
+
+    def _native_call(self):
+        """The native plan's call for the state the last full check accepted (None without the module)."""
+        outs = tuple(self._out[mb] for mb in range(len(self.buffers)))
+        plan = ops.native_plan(
+            "bound_qkv_plan", self._calls, self.h, self.capacity, self.in_place, self._q_row, self._kv_row,
+            64 if self._slot_dtype is torch.int64 else 32, self._k_cache, self._k_range, self._cos_sin_cache,
+            outs, self._fixed,
+        )  # fmt: skip
+        return None if plan is None else plan.bound_qkv
 
     def _disjoint(self, q_in, kv, k_cache, slot_mapping, positions, n, m, micro_batch) -> bool:
         """The per-call overlap check (n >= 1): what this call writes (the micro-batch's scratch buffer,
@@ -340,7 +368,8 @@ class BoundKvOp:
         self._calls_by_dtype: dict = {}
         self._slot_dtype, self._calls = None, None
         self._use_slot_dtype(torch.int64)  # binds (and self-tests) now: UnsupportedError early
-        self._k_cache = None
+        self._k_cache, self._k_range, self._fast = None, (0, 0), None
+        self._fixed = tuple(validate.byte_range(t) for t in (norm_weight, kv_scale) if t is not None)
 
     def _use_slot_dtype(self, dtype) -> None:
         calls = self._calls_by_dtype.get(dtype)
@@ -355,17 +384,27 @@ class BoundKvOp:
 
     def __call__(self, kv, k_cache, slot_mapping, positions, cos_sin_cache) -> None:
         """Insert rows t < len(slot_mapping) (group-boundary rows only with compress_ratio > 1).
-        Checked per call: M <= rows of kv and of positions; the whole argument list when k_cache or
-        the slot-id dtype is not the last call's. The compiled function checks the rest."""
+        Checked per call: M <= rows of kv and of positions, overlap between k_cache and every input;
+        the whole argument list when k_cache or the slot-id dtype is not the last call's. The
+        compiled function checks the rest. The native plan does the same in C."""
+        fast = self._fast
+        if fast is not None and fast(kv, k_cache, slot_mapping, positions, cos_sin_cache):
+            return
         m = slot_mapping.shape[0]
         if (
             m > kv.shape[0]
             or m > positions.shape[0]
             or k_cache is not self._k_cache
             or slot_mapping.dtype is not self._slot_dtype
+            or (m and not self._disjoint(kv, k_cache, slot_mapping, positions, cos_sin_cache))
         ):
             self._full_check(kv, k_cache, slot_mapping, positions, cos_sin_cache)
             self._use_slot_dtype(slot_mapping.dtype)
+            plan = ops.native_plan(
+                "bound_kv_plan", self._calls, 64 if self._slot_dtype is torch.int64 else 32, k_cache,
+                self._k_range, self.norm_weight, self.kv_scale, self._fixed,
+            )  # fmt: skip
+            self._fast = None if plan is None else plan.bound_kv
         if m == 0:
             return
         fn, tail = self._calls[min((m - 1).bit_length(), MAX_BUCKET_LOG2)]  # bucket_index(m), inlined
@@ -377,12 +416,32 @@ class BoundKvOp:
             self._full_check(kv, k_cache, slot_mapping, positions, cos_sin_cache)
             raise InputError(f"kernel argument check failed: {exc}") from exc
 
+    def _disjoint(self, kv, k_cache, slot_mapping, positions, cos_sin_cache) -> bool:
+        """The per-call overlap check (M >= 1): k_cache, at the range its full check computed while its
+        data pointer is the same, is disjoint from kv, the ids, positions, cos_sin_cache and the bound
+        norm weight and scale. False sends the call to the full check, which raises if they overlap."""
+        try:
+            k0, k1 = self._k_range
+            ptr = ops.data_ptr
+            if ptr(k_cache) != k0:
+                return False
+            kp, sp, pp, cp = ptr(kv), ptr(slot_mapping), ptr(positions), ptr(cos_sin_cache)
+            inputs = (
+                (kp, kp + (kv.shape[0] - 1) * 2 * kv.stride()[0] + 2 * kv.shape[1]),
+                (sp, sp + slot_mapping.nbytes),
+                (pp, pp + 8 * positions.shape[0]),
+                (cp, cp + cos_sin_cache.nbytes),
+            )
+            return validate.disjoint(k0, k1, 0, 0, inputs + self._fixed)
+        except (AttributeError, TypeError, ValueError, IndexError):
+            return False
+
     def _full_check(self, kv, k_cache, slot_mapping, positions, cos_sin_cache) -> None:
         validate.check_kv(
             kv, k_cache, slot_mapping, positions, cos_sin_cache, self.block_size, self.cache_format,
             norm_weight=self.norm_weight, eps=self.eps, kv_scale=self.kv_scale, compress_ratio=self.compress_ratio,
         )  # fmt: skip
-        self._k_cache = k_cache
+        self._k_cache, self._k_range = k_cache, validate.byte_range(k_cache)
 
 
 def bind_kv(**kwargs) -> BoundKvOp:

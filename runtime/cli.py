@@ -129,7 +129,28 @@ def cmd_build(args) -> int:
     )
     if args.report:
         build.write_report(r["entries"], Path(args.report))
+    _build_native(cache.root.parent / "native")
     return 0
+
+
+def _build_native(root: Path) -> None:
+    """The native fast path and the C++ torch-op kernels (native/): without a C/C++ compiler the
+    Python paths serve, so a failure is reported, not fatal."""
+    import time
+
+    from . import native
+
+    if not native.enabled():
+        print(f"build: native parts skipped ({native.ENV_NATIVE}=0)")
+        return
+    for part in native.PARTS:
+        t0 = time.perf_counter()
+        try:
+            path = native.build(part, root)
+        except native.NativeBuildError as exc:
+            print(f"build: native {part} NOT built (the Python path serves instead): {exc}")
+            continue
+        print(f"build: native {part} -> {path} ({time.perf_counter() - t0:.1f}s)")
 
 
 def cmd_cache(args) -> int:

@@ -1,6 +1,8 @@
 """The one-call entry points on CUDA tensors: validate once per shape, then one kernel call.
 
-Per call, the hot path does the checks the compiled function cannot (M <= N, N' >= N, P >= H, the
+Per call, after the key's dict hit, the shape's native plan (native/fastpath.h) does the checks
+below and the kernel call in C; where the native module is unavailable, the same checks run here
+in Python. Per call, the hot path does the checks the compiled function cannot (M <= N, N' >= N, P >= H, the
 cache's block size, a uint8 cache: TVM-FFI lets an int8 one through), the overlap check (what the
 call writes against itself and every input, on byte ranges), a dict hit for the shape's launchers
 and one call. TVM-FFI itself checks dtypes, ranks, D, strides, 16-byte alignment,
@@ -15,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import validate
+from . import native, validate
 from .dispatch import MAX_BUCKET_LOG2, Runtime, default_runtime
 from .errors import InputError
 from .formats import get_format
@@ -30,11 +32,13 @@ SCALES = ("kv_scale", "q_scale")  # their order in every signature that has them
 @dataclass(frozen=True)
 class ShapeCalls:
     """What a shape's calls share: per token-count bucket, the kernel and its arguments after the
-    caller's tensors; and the cache bytes per token the block-size check needs."""
+    caller's tensors; the cache bytes per token the block-size check needs; and the native plan
+    (native/fastpath.h: the same checks and call in C; None where the module is unavailable)."""
 
     calls: tuple[tuple[object, tuple], ...]
     bytes_per_token: int
     needs_kv_scale: bool
+    native: object = None
 
 
 def leading(tensors: tuple[str, ...], kv_scale, q_scale) -> tuple[str, ...]:
@@ -45,7 +49,21 @@ def leading(tensors: tuple[str, ...], kv_scale, q_scale) -> tuple[str, ...]:
 def shape_calls(launchers, lead: tuple[str, ...], cache_format: str, head_dim: int, **values) -> ShapeCalls:
     fmt = get_format(cache_format)
     calls = tuple((la.fn, la.tail(lead, **values)) for la in launchers)
-    return ShapeCalls(calls, fmt.bytes_per_token(head_dim), fmt.needs_tensor_scale)
+    need = values["block_size"] * fmt.bytes_per_token(head_dim)
+    if "q_in" in lead:
+        plan = native_plan("one_call_qkv_plan", calls, need, fmt.needs_tensor_scale, "q_scale" in lead)
+    else:
+        plan = native_plan("one_call_kv_plan", calls, need, fmt.needs_tensor_scale, "norm_weight" in lead)
+    return ShapeCalls(calls, fmt.bytes_per_token(head_dim), fmt.needs_tensor_scale, plan)
+
+
+def native_plan(kind: str, calls, *args):
+    """The C plan of these calls (fastpath.c's `kind` constructor), or None: no native module, or a
+    kernel that is not a TVM-FFI function (the CPU tests' Python stand-ins)."""
+    fp = native.fastpath()
+    if fp is None or not all(hasattr(fn, "__chandle__") for fn, _ in calls):
+        return None
+    return getattr(fp, kind)(list(calls), *args)
 
 
 data_ptr = torch.Tensor.data_ptr  # unbound: anything but a tensor raises TypeError (-> full validation)
@@ -139,8 +157,9 @@ def qnorm_rope_kv_insert(
     config: LaunchConfig | None = None,
     conversions=None,
     runtime: Runtime | None = None,
-) -> None:
+) -> ShapeCalls:
     """Validate, pick the variant and config for this device and shape, launch (CUDA tensors).
+    Returns the shape's ShapeCalls (the C++ torch op caches its native plan).
     `numerics`: the KV path's parity choices (formats.Numerics or its string form; None: the
     format's defaults). `apply_q_norm` / `apply_q_rope` False skip that Q step; `q_layout`
     "interleaved" writes FlashMLA's chunk-interleaved Q (variants.QLayout). Slot ids int64 or int32."""
@@ -153,6 +172,12 @@ def qnorm_rope_kv_insert(
                q_scale is not None, eps, block_size, checked, numerics, apply_q_norm, apply_q_rope, q_layout,
                slot_mapping.dtype, config, conversions)  # fmt: skip
         shape = rt.calls[key]
+        if shape.native is not None:  # the checks below, in C (native/fastpath.h), and the call
+            if shape.native.qkv(
+                q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale
+            ):
+                return shape
+            raise LookupError  # refused: the full validation below says why (or it was fine after all)
         m, (kb, kw) = slot_mapping.shape[0], k_cache.shape
         ok = (
             m <= n
@@ -167,7 +192,7 @@ def qnorm_rope_kv_insert(
             and (n == 0 or qkv_disjoint(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache,
                                         kv_scale, q_scale, n, h, d, n_out, p, m, kb, kw, need))
         )  # fmt: skip
-    except (KeyError, AttributeError, TypeError, ValueError, IndexError):
+    except (LookupError, AttributeError, TypeError, ValueError):
         ok = False
     if not ok:
         request, device, h, p = validate.check_qkv(
@@ -193,7 +218,7 @@ def qnorm_rope_kv_insert(
                 numerics=flags, q_flags=q_flags(bool(apply_q_norm), bool(apply_q_rope)),
             )  # fmt: skip
     if n == 0:
-        return
+        return shape
     fn, tail = shape.calls[min((n - 1).bit_length(), MAX_BUCKET_LOG2)]  # bucket_index(n), inlined
     out = q_out if q_scale is None else q_out.view(torch.uint8)
     scales = (
@@ -207,6 +232,7 @@ def qnorm_rope_kv_insert(
             q_scale=q_scale, kv_scale=kv_scale, q_layout=q_layout,
         )  # fmt: skip
         raise InputError(f"kernel argument check failed: {exc}") from exc
+    return shape
 
 
 def kv_rope_insert(
@@ -227,8 +253,9 @@ def kv_rope_insert(
     config: LaunchConfig | None = None,
     conversions=None,
     runtime: Runtime | None = None,
-) -> None:
+) -> ShapeCalls:
     """KV-only relatives: RoPE (after an optional weighted RMSNorm), quantize, insert (CUDA tensors).
+    Returns the shape's ShapeCalls.
     compress_ratio r > 1: the compressed-cache / indexer-key writers (group-boundary rows only)."""
     rt = runtime or default_runtime()
     norm = () if norm_weight is None else (norm_weight,)
@@ -237,6 +264,10 @@ def kv_rope_insert(
         key = (kv.get_device(), kv.dtype, cache_format, d, cos_sin_cache.shape[1], bool(norm), kv_scale is not None,
                eps, block_size, checked, numerics, compress_ratio, slot_mapping.dtype, config, conversions)  # fmt: skip
         shape = rt.calls[key]
+        if shape.native is not None:
+            if shape.native.kv(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale):
+                return shape
+            raise LookupError
         ms, n_pos, (kb, kw) = slot_mapping.shape[0], positions.shape[0], k_cache.shape
         ok = (
             ms <= m
@@ -250,7 +281,7 @@ def kv_rope_insert(
             and (ms == 0 or kv_disjoint(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache,
                                         kv_scale, m, d, ms, n_pos, kb, kw, need))
         )  # fmt: skip
-    except (KeyError, AttributeError, TypeError, ValueError, IndexError):
+    except (LookupError, AttributeError, TypeError, ValueError):
         ok = False
     if not ok:
         request, device = validate.check_kv(
@@ -276,7 +307,7 @@ def kv_rope_insert(
             )
     m = slot_mapping.shape[0]
     if m == 0:
-        return
+        return shape
     fn, tail = shape.calls[min((m - 1).bit_length(), MAX_BUCKET_LOG2)]  # bucket_index(m), inlined
     scale = () if kv_scale is None else (kv_scale,)
     try:
@@ -287,6 +318,7 @@ def kv_rope_insert(
             norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, compress_ratio=compress_ratio,
         )  # fmt: skip
         raise InputError(f"kernel argument check failed: {exc}") from exc
+    return shape
 
 
 def _with_conversions(request, conversions):

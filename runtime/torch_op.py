@@ -10,15 +10,22 @@ The ops are defined with a plain `torch.library.Library` (schema strings and per
 than `torch.library.custom_op`, whose Python wrapper costs about twice the dispatch per eager call;
 the package-level functions still call the kernels directly in eager mode and go through torch.ops
 only while compiling.
+
+The CUDA kernels: where `attn-prologue build` built native/torch_ops.cpp for this torch, C++ (the
+dispatcher reaches compiled code: the shape's native plan, as the one-call functions use it); else
+the Python functions below. The C++ kernels take a miss or a refused call to `*_slow` (Python: the
+one-call function, which validates and raises the typed error, and hands back the plan to cache).
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from . import ops, reference, validate
+from . import native, ops, reference, validate
 from .errors import InputError
 from .formats import Numerics, get_format
 
@@ -37,6 +44,16 @@ KV_SCHEMA = (
 _library = torch.library.Library(NAMESPACE, "DEF")  # kept alive: dropping it unregisters the ops
 _library.define(QKV_SCHEMA)
 _library.define(KV_SCHEMA)
+# what the C++ kernels call on a miss: the same arguments, the native plan's address (0: none) back
+_library.define(
+    QKV_SCHEMA.replace("qnorm_rope_kv_insert(", "qnorm_rope_kv_insert_slow(").replace("-> ()", "-> int")
+)
+_library.define(KV_SCHEMA.replace("kv_rope_insert(", "kv_rope_insert_slow(").replace("-> ()", "-> int"))
+_python_cuda = torch.library.Library(NAMESPACE, "IMPL")  # the Python CUDA kernels, until C++ replaces them
+_pinned: list = []  # plans handed to the C++ kernels: kept alive for the process
+SLOW_CALLS: collections.Counter = (
+    collections.Counter()
+)  # C++ kernels' calls that took the Python path, per op
 
 
 # The implementations take the schema's arguments in its order (the dispatcher passes them all).
@@ -50,6 +67,12 @@ def _qkv_cpu(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_siz
 
 def _qkv_cuda(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, numerics="", apply_q_norm=True, apply_q_rope=True, q_layout="head_major"):
     ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=numerics or None, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout)
+
+
+def _qkv_slow(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, numerics="", apply_q_norm=True, apply_q_rope=True, q_layout="head_major"):
+    SLOW_CALLS["qnorm_rope_kv_insert"] += 1
+    shape = ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=numerics or None, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout)
+    return _plan_address(shape)
 
 
 def _qkv_fake(q_in, *_):
@@ -66,18 +89,52 @@ def _kv_cuda(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="f
     ops.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=numerics or None, compress_ratio=compress_ratio)
 
 
+def _kv_slow(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, numerics="", compress_ratio=1):
+    SLOW_CALLS["kv_rope_insert"] += 1
+    shape = ops.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=numerics or None, compress_ratio=compress_ratio)
+    return _plan_address(shape)
+
+
 def _kv_fake(kv, *_):
     refuse_meta(kv)
 # fmt: on
 
 
-for _name, _cpu, _cuda, _fake in (
-    ("qnorm_rope_kv_insert", _qkv_cpu, _qkv_cuda, _qkv_fake),
-    ("kv_rope_insert", _kv_cpu, _kv_cuda, _kv_fake),
+def _plan_address(shape) -> int:
+    plan = getattr(shape, "native", None)
+    if plan is None:
+        return 0
+    _pinned.append(plan)
+    return plan.address()
+
+
+for _name, _cpu, _cuda, _slow, _fake in (
+    ("qnorm_rope_kv_insert", _qkv_cpu, _qkv_cuda, _qkv_slow, _qkv_fake),
+    ("kv_rope_insert", _kv_cpu, _kv_cuda, _kv_slow, _kv_fake),
 ):
     _library.impl(_name, _cpu, "CPU")
-    _library.impl(_name, _cuda, "CUDA")
+    _python_cuda.impl(_name, _cuda, "CUDA")
+    _library.impl(f"{_name}_slow", _slow, "CUDA")
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=_library)
+
+
+def load_native_kernels(*, build: bool = False):
+    """Replace the Python CUDA kernels with the C++ ones (native/torch_ops.cpp) if they are built for
+    this torch, or (build=True) after building them; their path, or None (Python kernels stay)."""
+    global _python_cuda
+    if _python_cuda is None or not native.enabled():
+        return None
+    path = native.build("torch_ops") if build else native.built_path("torch_ops")
+    if path is not None:
+        _python_cuda._destroy()
+        _python_cuda = None
+        torch.ops.load_library(str(path))
+    return path
+
+
+def cuda_kernels() -> str:
+    """Which CUDA kernels the torch ops have: "C++" or "Python"."""
+    return "Python" if _python_cuda is not None else "C++"
 
 
 def refuse_meta(t: Tensor) -> None:
@@ -155,3 +212,6 @@ def _numerics_text(numerics) -> str:
     """The schema's spelling of the parity choices ("" for the format defaults)."""
     n = Numerics.of(numerics)
     return "" if n is None else n.text()
+
+
+load_native_kernels()  # the C++ CUDA kernels, where `attn-prologue build` built them for this torch

@@ -1,7 +1,8 @@
 """The import graph: no cycle, every edge goes down the wings, imports at module level.
 
 Wings, bottom up: device code (imports nothing of ours), the generated modules (device code only)
-and registry, data (variant space, formats, numerics, reference), the compile boundary (jit),
+and registry, data (variant space, formats, numerics, reference), the compile boundary (jit, and
+native: building and loading the C fast path),
 serving (dispatcher, launchers, entry points), then the lab and codegen on top, and the command
 line above everything."""
 
@@ -41,6 +42,8 @@ def wing(module: str) -> str:
         return "serving"  # the package: its public names are the serving API
     if parts[1] in ("device", "generated", "jit", "lab", "codegen"):
         return parts[1]
+    if parts[1] == "native":  # the C fast path's build and load: part of the compile boundary
+        return "jit"
     if parts[1] in ("cli", "__main__"):
         return "cli"
     if parts[1] in DATA:

@@ -1,13 +1,15 @@
 """Eager host time per call as a ratio to torch's own `x.add_(1)`, all in one process.
 
-T = 1, H = P = 64, D = 512, fp8_ds_mla, block 64: the one-call function, the bound op (zero-once
-scratch from a locked pool) and the torch op, each timed as the median of 7 loops of 2000 calls
-issued back to back (a T = 1 call's device work is shorter than its host work, so the loop measures
-the host), interleaved with the `x.add_(1)` baseline so drift hits both. Absolute microseconds move
-1.5-2x between VMs; the ratio is what to compare. Uses only the public API, so the same script
-measures any version of the package.
+T = 1, H = P = 64, D = 512, fp8_ds_mla, block 64. For qnorm_rope_kv_insert and kv_rope_insert:
+the one-call function, the bound op (zero-once scratch from a locked pool) and the torch op; and
+the breakdown of the qkv call: the compiled kernel called alone through TVM-FFI with prebuilt
+arguments (launch path + TVM-FFI's tensor conversion), and the native plan called alone (our C
+checks + the launch path). Each is the median of 7 loops of 2000 calls issued back to back (a T = 1
+call's device work is shorter than its host work, so the loop measures the host), interleaved with
+the `x.add_(1)` baseline so drift hits both. Absolute microseconds move 1.5-2x between VMs; the
+ratio is what to compare. `ATTN_PROLOGUE_NATIVE=0` measures the Python paths.
 
-    python tools/host_ratio.py [--json out.json] [--label text]
+    python tools/host_ratio.py [--json out.json] [--label text] [--build-native]
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import time
 
 import attn_prologue as ap
 import torch
+from attn_prologue import native, ops, torch_op
+from attn_prologue.formats import get_format
+from attn_prologue.lab.provenance import provenance
+from attn_prologue.lab.targets import EAGER_TARGETS
 
 
 def loop_us(call, n: int) -> float:
@@ -37,16 +43,18 @@ def main() -> int:
     parser.add_argument("--label", default="", help="a label stored with the numbers (e.g. the version)")
     parser.add_argument("--loops", type=int, default=7)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--build-native", action="store_true", help="build the C++ torch-op kernels first")
     args = parser.parse_args()
-    import attn_prologue.torch_op  # noqa: F401  (older versions register torch.ops lazily)
+    if args.build_native:
+        torch_op.load_native_kernels(build=True)
 
     h = p = 64
-    d, bs = 512, 64
+    d, bs, fmt = 512, 64, "fp8_ds_mla"
     g = torch.Generator(device="cuda").manual_seed(7)
     q_in = torch.randn(1, h, d, device="cuda", generator=g).bfloat16()
     kv = torch.randn(1, d, device="cuda", generator=g).bfloat16()
     q_out = torch.zeros(1, p, d, device="cuda", dtype=torch.bfloat16)
-    k_cache = torch.zeros(4, bs * 584, device="cuda", dtype=torch.uint8)
+    k_cache = torch.zeros(4, bs * get_format(fmt).bytes_per_token(d), device="cuda", dtype=torch.uint8)
     slots = torch.tensor([5], device="cuda")
     pos = torch.tensor([3], device="cuda")
     theta = torch.rand(64, 32, device="cuda", generator=g)
@@ -55,36 +63,56 @@ def main() -> int:
     pool.reserve(max_tokens=16, padded_heads=p, head_dim=d, micro_batches=1)
     pool.lock()
     bound = ap.bind(num_heads=h, padded_heads=p, head_dim=d, rope_dim=64, block_size=bs, pool=pool)
+    bound_kv = ap.bind_kv(head_dim=d, rope_dim=64, block_size=bs)
     x = torch.zeros(16, device="cuda")
-    op = torch.ops.attn_prologue.qnorm_rope_kv_insert
+    qkv_op, kv_op = torch.ops.attn_prologue.qnorm_rope_kv_insert, torch.ops.attn_prologue.kv_rope_insert
+    shape = ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs)
+    fn, tail = shape.calls[0]
     calls = {
         "x.add_(1)": lambda: x.add_(1),
-        "one-call function": lambda: ap.qnorm_rope_kv_insert(
-            q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs
-        ),
+        "one-call function": lambda: ap.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs),
         "bound op": lambda: bound(q_in, kv, k_cache, slots, pos, cs),
-        "torch op": lambda: op(q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs),
-    }
+        "torch op": lambda: qkv_op(q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs),
+        "one-call kv function": lambda: ap.kv_rope_insert(kv, k_cache, slots, pos, cs, bs),
+        "bound kv op": lambda: bound_kv(kv, k_cache, slots, pos, cs),
+        "torch kv op": lambda: kv_op(kv, k_cache, slots, pos, cs, bs),
+        "kernel alone (TVM-FFI, prebuilt arguments)": lambda: fn(q_in, kv, q_out, k_cache, slots, pos, cs, *tail),
+    }  # fmt: skip
+    if shape.native is not None:
+        plan = shape.native
+        calls["native plan alone (C checks + launch)"] = lambda: plan.qkv(
+            q_in, kv, q_out, k_cache, slots, pos, cs, None, None
+        )
     for call in calls.values():
-        loop_us(call, 200)  # warm up: bind, load, first launch
+        loop_us(call, 200)  # warm up: bind, load, first launch, plans
     runs = {name: [] for name in calls}
     for i in range(args.loops):
         for name in calls if i % 2 == 0 else reversed(list(calls)):
             runs[name].append(loop_us(calls[name], args.calls))
     us = {name: statistics.median(v) for name, v in runs.items()}
     base = us["x.add_(1)"]
+    ratios = {name: v / base for name, v in us.items()}
+    targets = {
+        name: {"ratio": ratios[name], "bound": bound_, "met": ratios[name] <= bound_}
+        for name, bound_ in EAGER_TARGETS.items()
+    }
     out = {
+        "provenance": provenance(),
         "label": args.label,
-        "package": ap.__file__,  # which installed version ran
-        "argv": sys.argv,
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        "native": {
+            "fastpath": native.fastpath() is not None,
+            "torch_op_cuda_kernels": torch_op.cuda_kernels(),
+        },
         "us": us,
-        "ratio_to_add": {name: v / base for name, v in us.items()},
+        "ratio_to_add": ratios,
+        "targets": targets,
         "runs_us": runs,
     }
+    print(f"native fast path: {out['native']}")
     for name, v in us.items():
-        print(f"{name:20} {v:7.2f} us  {v / base:5.2f}x x.add_(1)")
+        t = targets.get(name)
+        verdict = "" if t is None else f"  target <= {t['bound']:.1f}x: {'met' if t['met'] else 'MISSED'}"
+        print(f"{name:44} {v:7.2f} us  {v / base:5.2f}x x.add_(1){verdict}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

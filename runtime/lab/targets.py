@@ -144,6 +144,12 @@ FORMAT_TARGETS = [
 # one measurement from a pair of results (same T), and one from the run's host-overhead metadata
 ZERO_ONCE_SPEEDUP = Target("(8,64) zero-once vs write-pads: speedup", 3.0, "min")
 # absolute host time moves 1.5-2x between machines with the same GPU: a host-dependent target
+# Eager host time per T = 1 call as a ratio to torch's `x.add_(1)` in the same process (tools/host_ratio.py):
+# the torch op as cheap as a C++ op, the Python entry points cheaper than one.
+EAGER_TARGETS = {
+    "torch op": 1.0, "one-call function": 0.8, "bound op": 0.6,
+    "torch kv op": 1.0, "one-call kv function": 0.8, "bound kv op": 0.6,
+}  # fmt: skip
 HOST_OVERHEAD_US = Target("eager host overhead, T=1: us", 8.0, "max", kind="host")
 
 

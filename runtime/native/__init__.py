@@ -1,0 +1,233 @@
+"""The native fast path: the per-call checks and kernel call in C, and the torch ops' CUDA kernels in C++.
+
+- `fastpath` (fastpath.c, a CPython module): what the one-call functions and the bound ops do per
+  call after their first, validated call of a shape (fastpath.h holds the checks; ops.py and api.py
+  the Python spelling of the same checks, which runs where the module is unavailable). Built with
+  the C compiler Python was built with, against tvm_ffi's headers only: torch tensors are read
+  through torch's DLPack exchange API, so one build serves every torch that has that API. Built on
+  first use (under a second) or by `attn-prologue build`.
+- `torch_ops` (torch_ops.cpp): the CUDA kernels of `torch.ops.attn_prologue.*` in C++, so the
+  dispatcher reaches compiled code. Built against the installed torch (its C++ ABI), by
+  `attn-prologue build` (about 10-30 s); loaded at import when built, else the ops' CUDA kernels
+  are Python functions (torch_op.py).
+
+Both live in the kernel cache directory (its `native/` sibling), keyed by their sources, the
+compiler, Python, tvm_ffi (and torch) versions and the host, under the kernel cache's trust rules
+(private directories, nothing owned by another user or writable by others, a hash in meta.json).
+`ATTN_PROLOGUE_NATIVE=0` turns both off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+from filelock import FileLock
+
+from ..errors import AttnPrologueError
+from ..jit.compiler import host_tag
+from ..jit.kernel_cache import KernelCache, default_cache_dir
+
+ENV_NATIVE = "ATTN_PROLOGUE_NATIVE"
+SOURCES = Path(__file__).parent
+FASTPATH_MODULE = "attn_prologue_fastpath"  # the PyInit_ name in fastpath.c
+
+
+class NativeBuildError(AttnPrologueError, RuntimeError):
+    """A native part could not be built (the message holds the compiler's output)."""
+
+
+class NativeUnavailableWarning(UserWarning):
+    """The native fast path could not be built or loaded; the Python paths are used instead."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_NATIVE, "1") not in ("0", "false", "off", "no")
+
+
+def native_root() -> Path:
+    """Beside the kernel cache: `<ATTN_PROLOGUE_CACHE>/../native` (the default ~/.cache/attn_prologue/native)."""
+    return default_cache_dir().parent / "native"
+
+
+def _compiler(var: str, fallback: str) -> list[str]:
+    return shlex.split(os.environ.get(var) or sysconfig.get_config_var(var) or fallback)
+
+
+def _tvm_ffi_dirs() -> tuple[Path, Path]:
+    import tvm_ffi
+
+    base = Path(tvm_ffi.__file__).parent
+    return base / "include", base / "lib"
+
+
+def _versions() -> dict:
+    return {
+        "host": host_tag(),
+        "python": sysconfig.get_config_var("EXT_SUFFIX"),
+        "tvm_ffi": importlib.metadata.version("apache-tvm-ffi"),
+    }
+
+
+def _torch_versions() -> dict:
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "torch_dir": str(Path(torch.__file__).parent),
+        "cxx11_abi": int(torch._C._GLIBCXX_USE_CXX11_ABI),
+    }
+
+
+def _fastpath_command(out: Path) -> list[str]:
+    inc, lib = _tvm_ffi_dirs()
+    return [
+        *_compiler("CC", "cc"), "-O2", "-std=c11", "-shared", "-fPIC", "-Wall", "-Werror",
+        "-Wno-unused-parameter", "-Wno-missing-field-initializers",
+        f"-I{sysconfig.get_paths()['include']}", f"-I{inc}", str(SOURCES / "fastpath.c"),
+        f"-L{lib}", "-ltvm_ffi", f"-Wl,-rpath,{lib}", "-o", str(out),
+    ]  # fmt: skip
+
+
+def _torch_ops_command(out: Path) -> list[str]:
+    import torch
+
+    inc, lib = _tvm_ffi_dirs()
+    tdir = Path(torch.__file__).parent
+    return [
+        *_compiler("CXX", "c++"), "-O2", "-std=c++20", "-shared", "-fPIC",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-I{tdir / 'include'}", f"-I{inc}", str(SOURCES / "torch_ops.cpp"),
+        f"-L{tdir / 'lib'}", "-lc10", "-ltorch_cpu", f"-L{lib}", "-ltvm_ffi",
+        f"-Wl,-rpath,{lib}", f"-Wl,-rpath,{tdir / 'lib'}", "-o", str(out),
+    ]  # fmt: skip
+
+
+PARTS = {  # name -> (file name, sources, build command, the versions its key holds)
+    "fastpath": (FASTPATH_MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"),
+                 ("fastpath.c", "fastpath.h"), _fastpath_command, _versions),
+    "torch_ops": ("attn_prologue_torch_ops.so", ("torch_ops.cpp", "fastpath.h"), _torch_ops_command,
+                  lambda: {**_versions(), **_torch_versions()}),
+}  # fmt: skip
+
+
+def entry_key(part: str) -> tuple[str, dict]:
+    name, sources, command, versions = PARTS[part]
+    facts = {"part": part, **versions(), "compiler": command(Path(name))[0]}
+    h = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
+    for s in sources:
+        h.update((SOURCES / s).read_bytes())
+    return h.hexdigest()[:20], facts
+
+
+def _cache(root: Path | None = None) -> KernelCache:
+    return KernelCache(root or native_root())
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def built_path(part: str, root: Path | None = None) -> Path | None:
+    """The part's built object if an intact, trusted entry exists (UntrustedCacheError otherwise)."""
+    key, _ = entry_key(part)
+    cache = _cache(root)
+    entry = cache.root / part / key
+    cache.check_trusted(entry / "meta.json")
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        so = entry / meta["file"]
+        cache.check_trusted(so)
+        return so if meta["sha256"] == _sha256(so) else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+_build_lock = threading.Lock()
+
+
+def build(part: str, root: Path | None = None) -> Path:
+    """Build the part into the cache unless an intact entry exists; its path. NativeBuildError
+    (the compiler's output) when it does not compile."""
+    with _build_lock:
+        found = built_path(part, root)
+        if found is not None:
+            return found
+        key, facts = entry_key(part)
+        cache = _cache(root)
+        parent = cache.root / part
+        cache._make_private_dirs(parent)
+        with FileLock(str(parent / f"{key}.lock"), timeout=cache.lock_timeout):
+            found = built_path(part, root)
+            if found is not None:
+                return found
+            name = PARTS[part][0]
+            tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{key}-"))
+            command = PARTS[part][2](tmp / name)
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise NativeBuildError(
+                    f"building the native {part} failed ({shlex.join(command)}):\n{done.stderr[-4000:]}"
+                )
+            os.chmod(tmp / name, 0o600)
+            meta = {**facts, "file": name, "sha256": _sha256(tmp / name), "command": command}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            os.chmod(tmp / "meta.json", 0o600)
+            entry = parent / key
+            if entry.exists():  # an incomplete or corrupt entry: replace it
+                shutil.rmtree(entry)
+            os.rename(tmp, entry)
+            return entry / name
+
+
+_state: dict[str, object] = {}
+
+
+def _warn_once(part: str, why: str) -> None:
+    if f"warned:{part}" not in _state:
+        _state[f"warned:{part}"] = why
+        warnings.warn(
+            f"attn_prologue: the native {part} is unavailable ({why}); using the Python path",
+            NativeUnavailableWarning,
+            stacklevel=3,
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def fastpath():
+    """The fast-path module, initialised with torch's DLPack exchange API; None (with one warning)
+    when it is turned off, cannot be built here, or torch lacks the API."""
+    if not enabled():
+        return None
+    import torch
+
+    api = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+    if api is None:
+        _warn_once("fastpath", f"torch {torch.__version__} has no DLPack exchange API")
+        return None
+    try:
+        path = build("fastpath")
+        loader = importlib.machinery.ExtensionFileLoader(FASTPATH_MODULE, str(path))
+        spec = importlib.util.spec_from_file_location(FASTPATH_MODULE, path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        module.init(api, torch.Tensor)
+    except (AttnPrologueError, OSError, ImportError, RuntimeError) as exc:
+        _warn_once("fastpath", str(exc).splitlines()[0])
+        return None
+    sys.modules.setdefault(FASTPATH_MODULE, module)
+    return module
