@@ -65,7 +65,9 @@ def native_root() -> Path:
 
 
 def _compiler(var: str, fallback: str) -> list[str]:
-    return shlex.split(os.environ.get(var) or sysconfig.get_config_var(var) or fallback)
+    """$CC / $CXX, else the compiler Python was built with if this host has it, else cc / c++."""
+    command = shlex.split(os.environ.get(var) or sysconfig.get_config_var(var) or fallback)
+    return command if shutil.which(command[0]) else [fallback]
 
 
 def _tvm_ffi_dirs() -> tuple[Path, Path]:
