@@ -10,14 +10,15 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import torch_op  # noqa: F401  (registers torch.ops.attn_prologue.*)
 from .api import BoundKvOp, BoundOp, bind, bind_kv
 from .codecs import decode_cache
 from .dispatch import Runtime, default_runtime
 from .errors import AttnPrologueError, InputError, RegistrationError, ScratchError, UnsupportedError
 from .formats import FORMATS, get_format
 from .launch import LaunchConfig
+from .ops import kv_rope_insert, qnorm_rope_kv_insert
 from .scratch import ScratchPool
-from .torch_op import kv_rope_insert, qnorm_rope_kv_insert
 
 __all__ = [
     "FORMATS",

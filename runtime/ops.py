@@ -20,7 +20,7 @@ import torch
 from . import native, validate
 from .dispatch import MAX_BUCKET_LOG2, Runtime, default_runtime
 from .errors import InputError
-from .formats import get_format
+from .formats import Numerics, get_format
 from .launch import LaunchConfig
 from .variants import Conversions, q_flags
 
@@ -145,9 +145,9 @@ def qnorm_rope_kv_insert(
     eps,
     block_size,
     cache_format="fp8_ds_mla",
-    *,
     kv_scale=None,
     q_scale=None,
+    *,
     write_pad_heads=True,
     checked=True,
     numerics=None,
@@ -157,12 +157,26 @@ def qnorm_rope_kv_insert(
     config: LaunchConfig | None = None,
     conversions=None,
     runtime: Runtime | None = None,
-) -> ShapeCalls:
-    """Validate, pick the variant and config for this device and shape, launch (CUDA tensors).
-    Returns the shape's ShapeCalls (the C++ torch op caches its native plan).
+) -> ShapeCalls | None:
+    """The fused op: writes q_out[:N, :H], zeroes the pad heads [H, P), and inserts rows
+    t < len(slot_mapping) with slot >= 0 into k_cache. Nothing is allocated.
+
+    CUDA tensors in eager mode: validate, pick the variant and config for this device and shape,
+    launch (returns the shape's ShapeCalls, which the C++ torch op caches). CPU tensors, and every
+    call while torch.compile traces, go through torch.ops.attn_prologue.qnorm_rope_kv_insert (the
+    reference on CPU; returns None); `checked`, `config` and `conversions` then do not apply. A
+    `runtime` given runs its kernels whatever the device (the CPU tests' stand-ins).
+    `write_pad_heads=False` skips zeroing the pads in eager mode: only for a q_out whose pads are
+    known to be zero (a buffer only kernels with this H write); bound ops track that themselves.
     `numerics`: the KV path's parity choices (formats.Numerics or its string form; None: the
     format's defaults). `apply_q_norm` / `apply_q_rope` False skip that Q step; `q_layout`
     "interleaved" writes FlashMLA's chunk-interleaved Q (variants.QLayout). Slot ids int64 or int32."""
+    if torch.compiler.is_compiling() or not (runtime or getattr(q_in, "is_cuda", True)):
+        torch.ops.attn_prologue.qnorm_rope_kv_insert(
+            q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
+            kv_scale, q_scale, numerics_text(numerics), apply_q_norm, apply_q_rope, q_layout,
+        )  # fmt: skip
+        return None
     rt = runtime or default_runtime()
     try:
         n, h, d = q_in.shape
@@ -243,20 +257,28 @@ def kv_rope_insert(
     cos_sin_cache,
     block_size,
     cache_format="fp8_ds_mla",
-    *,
     norm_weight=None,
     eps=1e-6,
     kv_scale=None,
+    *,
     checked=True,
     numerics=None,
     compress_ratio=1,
     config: LaunchConfig | None = None,
     conversions=None,
     runtime: Runtime | None = None,
-) -> ShapeCalls:
-    """KV-only relatives: RoPE (after an optional weighted RMSNorm), quantize, insert (CUDA tensors).
-    Returns the shape's ShapeCalls.
-    compress_ratio r > 1: the compressed-cache / indexer-key writers (group-boundary rows only)."""
+) -> ShapeCalls | None:
+    """KV-only relatives: RoPE (after an optional weighted RMSNorm), quantize, insert. compress_ratio
+    r > 1: the compressed-cache writer (and, with norm_weight, the indexer-key writer): only rows with
+    (positions[t] + 1) % r == 0 are inserted, rotated at positions[t] // r * r. CUDA tensors in eager
+    mode run here (returning the shape's ShapeCalls); CPU tensors and traced calls go through
+    torch.ops.attn_prologue.kv_rope_insert, as for qnorm_rope_kv_insert."""
+    if torch.compiler.is_compiling() or not (runtime or getattr(kv, "is_cuda", True)):
+        torch.ops.attn_prologue.kv_rope_insert(
+            kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight, eps,
+            kv_scale, numerics_text(numerics), compress_ratio,
+        )  # fmt: skip
+        return None
     rt = runtime or default_runtime()
     norm = () if norm_weight is None else (norm_weight,)
     try:
@@ -319,6 +341,12 @@ def kv_rope_insert(
         )  # fmt: skip
         raise InputError(f"kernel argument check failed: {exc}") from exc
     return shape
+
+
+def numerics_text(numerics) -> str:
+    """The torch ops' spelling of the parity choices ("" for the format defaults)."""
+    n = Numerics.of(numerics)
+    return "" if n is None else n.text()
 
 
 def _with_conversions(request, conversions):

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import native, ops, reference, validate
 from .errors import InputError
-from .formats import Numerics, get_format
+from .formats import get_format
 
 NAMESPACE = "attn_prologue"
 QKV_SCHEMA = (
@@ -144,74 +144,6 @@ def refuse_meta(t: Tensor) -> None:
         raise InputError(
             "attn_prologue ops need CPU or CUDA tensors, got meta tensors (nothing would be written)"
         )
-
-
-# ---- package-level entry points: direct in eager mode, torch.ops while compiling -----------------
-def qnorm_rope_kv_insert(
-    q_in,
-    kv,
-    q_out,
-    k_cache,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    eps,
-    block_size,
-    cache_format="fp8_ds_mla",
-    kv_scale=None,
-    q_scale=None,
-    *,
-    write_pad_heads: bool = True,
-    numerics: Numerics | str | None = None,
-    apply_q_norm: bool = True,
-    apply_q_rope: bool = True,
-    q_layout: str = "head_major",
-) -> None:
-    """The fused op: writes q_out[:N, :H], zeroes the pad heads [H, P), and inserts rows
-    t < len(slot_mapping) with slot >= 0 into k_cache. Nothing is allocated.
-    `write_pad_heads=False` skips zeroing the pads in eager mode: only for a q_out whose pads are
-    known to be zero (a buffer only kernels with this H write); bound ops track that themselves.
-    `numerics`: the KV path's parity choices (formats.Numerics or its string form; None: defaults).
-    `apply_q_norm` / `apply_q_rope` False skip that Q step; `q_layout="interleaved"` writes the
-    chunk-interleaved Q (variants.QLayout)."""
-    # fmt: off
-    if q_in.is_cuda and not torch.compiler.is_compiling():
-        ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, write_pad_heads=write_pad_heads, numerics=numerics, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout)
-        return
-    torch.ops.attn_prologue.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale, q_scale, _numerics_text(numerics), apply_q_norm, apply_q_rope, q_layout)
-    # fmt: on
-
-
-def kv_rope_insert(
-    kv,
-    k_cache,
-    slot_mapping,
-    positions,
-    cos_sin_cache,
-    block_size,
-    cache_format="fp8_ds_mla",
-    norm_weight=None,
-    eps=1e-6,
-    kv_scale=None,
-    *,
-    numerics: Numerics | str | None = None,
-    compress_ratio: int = 1,
-) -> None:
-    """KV-only relatives: RoPE (after an optional weighted RMSNorm), quantize, insert. compress_ratio
-    r > 1: the compressed-cache writer (and, with norm_weight, the indexer-key writer): only rows with
-    (positions[t] + 1) % r == 0 are inserted, rotated at positions[t] // r * r."""
-    # fmt: off
-    if kv.is_cuda and not torch.compiler.is_compiling():
-        ops.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=numerics, compress_ratio=compress_ratio)
-        return
-    torch.ops.attn_prologue.kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight, eps, kv_scale, _numerics_text(numerics), compress_ratio)
-    # fmt: on
-
-
-def _numerics_text(numerics) -> str:
-    """The schema's spelling of the parity choices ("" for the format defaults)."""
-    n = Numerics.of(numerics)
-    return "" if n is None else n.text()
 
 
 load_native_kernels()  # the C++ CUDA kernels, where `attn-prologue build` built them for this torch

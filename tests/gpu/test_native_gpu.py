@@ -109,13 +109,18 @@ def test_bound_ops_run_the_native_plan_and_match_the_reference(c, monkeypatch):
         pool.reserve(max_tokens=c.n + 8, padded_heads=c.p, head_dim=c.head_dim, micro_batches=1,
                      dtype=torch.float8_e4m3fn if c.q_fp8 else torch.bfloat16)  # fmt: skip
     op = _bind(x, c, pool)
+    got = clone_outputs(x)  # one cache (and q_in) for both calls, as in serving: reset in between
     for _ in range(2):
-        got = clone_outputs(x)
+        got.extra["k_storage"].copy_(x.extra["k_storage"])
         if c.op == "qkv":
+            if c.in_place:
+                got.q_in.copy_(x.q_in)
+            else:
+                got.q_out.copy_(x.q_out)
             out = op(got.q_in, got.kv, got.k_cache, got.slot_mapping, got.positions, got.cos_sin_cache)
             if not c.in_place:
-                got.q_out[: c.n].copy_(out)  # the scratch view, next to the reference's q_out
                 assert out.shape[0] == c.n
+                got.q_out[: c.n].copy_(out)  # the scratch view, next to the reference's q_out
         else:
             op(got.kv, got.k_cache, got.slot_mapping, got.positions, got.cos_sin_cache)
         torch.cuda.synchronize()
@@ -123,7 +128,7 @@ def test_bound_ops_run_the_native_plan_and_match_the_reference(c, monkeypatch):
         assert op._fast is not None, "no native plan after the first call"
         monkeypatch.setattr(validate, "check_qkv", _refuse)  # the second call: the plan only...
         monkeypatch.setattr(validate, "check_kv", _refuse)
-        op._full_check = _refuse  # ...no new full check either
+        monkeypatch.setattr(op, "_full_check", _refuse)  # ...no new full check either
 
 
 @pytest.mark.parametrize("entry", ["one-call", "torch op", "bound op"])
@@ -199,3 +204,20 @@ def test_bound_kv_refuses_an_input_inside_its_cache_and_writes_nothing():
         op(inside, x.k_cache, x.slot_mapping, x.positions, x.cos_sin_cache)
     torch.cuda.synchronize()
     assert torch.equal(before, x.extra["k_storage"])
+
+
+def test_torch_op_refuses_inputs_that_need_grad_and_writes_nothing():
+    c = Case(n=4, h=8, p=8)
+    x = make_inputs(c)
+    _torch_op(clone_outputs(x), c)  # the shape's plan exists: the refusal is not the slow path's
+    got = clone_outputs(x)
+    got.kv = x.kv.clone().requires_grad_()
+    before = got.extra["k_storage"].clone()
+    with pytest.raises(RuntimeError, match="has no derivative"):
+        _torch_op(got, c)
+    torch.cuda.synchronize()
+    assert torch.equal(before, got.extra["k_storage"])
+    with torch.no_grad():
+        _torch_op(got, c)  # allowed without grad mode
+    torch.cuda.synchronize()
+    _check(got, run_reference(x))

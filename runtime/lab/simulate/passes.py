@@ -14,8 +14,8 @@ import torch
 from ... import codecs, reference, validate
 from ...api import bind
 from ...formats import get_format
+from ...ops import qnorm_rope_kv_insert
 from ...scratch import ScratchPool
-from ...torch_op import qnorm_rope_kv_insert
 from .engine import (
     CACHE_FORMAT,
     BlockAllocator,
