@@ -178,20 +178,25 @@ def qnorm_rope_kv_insert(
         )  # fmt: skip
         return None
     rt = runtime or default_runtime()
+    fp = native.fastpath()
+    args = (q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale,
+            q_scale, write_pad_heads, checked, numerics, apply_q_norm, apply_q_rope, q_layout, config, conversions)  # fmt: skip
+    if fp is not None:  # key, lookup, the checks below and the call, in C (native/fastpath.h)
+        shape = fp.run_qkv(rt.calls, *args)
+        if shape is not None:
+            return shape
+    key = None
     try:
         n, h, d = q_in.shape
         n_out, p, _ = q_out.shape
         nwh = p if write_pad_heads else h
-        key = (q_in.get_device(), q_in.dtype, cache_format, d, h, nwh, cos_sin_cache.shape[1], kv_scale is not None,
-               q_scale is not None, eps, block_size, checked, numerics, apply_q_norm, apply_q_rope, q_layout,
-               slot_mapping.dtype, config, conversions)  # fmt: skip
+        key = fp.qkv_key(*args) if fp is not None else (
+            q_in.get_device(), q_in.dtype, cache_format, d, h, nwh, cos_sin_cache.shape[1], kv_scale is not None,
+            q_scale is not None, eps, block_size, checked, numerics, apply_q_norm, apply_q_rope, q_layout,
+            slot_mapping.dtype, config, conversions)  # fmt: skip
         shape = rt.calls[key]
-        if shape.native is not None:  # the checks below, in C (native/fastpath.h), and the call
-            if shape.native.qkv(
-                q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale
-            ):
-                return shape
-            raise LookupError  # refused: the full validation below says why (or it was fine after all)
+        if shape.native is not None:
+            raise LookupError  # its plan refused the call: the full validation below says why
         m, (kb, kw) = slot_mapping.shape[0], k_cache.shape
         ok = (
             m <= n
@@ -215,7 +220,7 @@ def qnorm_rope_kv_insert(
         )  # fmt: skip
         flags = get_format(cache_format).numerics_flags(numerics)  # NumericsError for a choice it lacks
         # valid input: the try block computed the key; only the launchers for it were missing
-        shape = rt.calls.get(key)
+        shape = rt.calls.get(key) if key is not None else None
         if shape is None:
             request = _with_conversions(request, conversions)
             launchers = rt.launchers(
@@ -226,11 +231,13 @@ def qnorm_rope_kv_insert(
                 config=config,
                 slots32=slot_mapping.dtype == torch.int32,
             )
-            shape = rt.calls[key] = shape_calls(
+            shape = shape_calls(
                 launchers, leading(QKV_TENSORS, kv_scale, q_scale), cache_format, d, errors=rt.errors_buffer(device),
                 eps=float(eps), block_size=block_size, n_write_heads=nwh, checked=int(bool(checked)),
                 numerics=flags, q_flags=q_flags(bool(apply_q_norm), bool(apply_q_rope)),
             )  # fmt: skip
+            if key is not None:
+                rt.calls[key] = shape
     if n == 0:
         return shape
     fn, tail = shape.calls[min((n - 1).bit_length(), MAX_BUCKET_LOG2)]  # bucket_index(n), inlined
@@ -280,15 +287,22 @@ def kv_rope_insert(
         )  # fmt: skip
         return None
     rt = runtime or default_runtime()
+    fp = native.fastpath()
+    args = (kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight, eps, kv_scale,
+            checked, numerics, compress_ratio, config, conversions)  # fmt: skip
+    if fp is not None:
+        shape = fp.run_kv(rt.calls, *args)
+        if shape is not None:
+            return shape
     norm = () if norm_weight is None else (norm_weight,)
+    key = None
     try:
         m, d = kv.shape
-        key = (kv.get_device(), kv.dtype, cache_format, d, cos_sin_cache.shape[1], bool(norm), kv_scale is not None,
-               eps, block_size, checked, numerics, compress_ratio, slot_mapping.dtype, config, conversions)  # fmt: skip
+        key = fp.kv_key(*args) if fp is not None else (
+            kv.get_device(), kv.dtype, cache_format, d, cos_sin_cache.shape[1], bool(norm), kv_scale is not None,
+            eps, block_size, checked, numerics, compress_ratio, slot_mapping.dtype, config, conversions)  # fmt: skip
         shape = rt.calls[key]
         if shape.native is not None:
-            if shape.native.kv(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale):
-                return shape
             raise LookupError
         ms, n_pos, (kb, kw) = slot_mapping.shape[0], positions.shape[0], k_cache.shape
         ok = (
@@ -311,7 +325,7 @@ def kv_rope_insert(
             norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, compress_ratio=compress_ratio,
         )  # fmt: skip
         flags = get_format(cache_format).numerics_flags(numerics)
-        shape = rt.calls.get(key)
+        shape = rt.calls.get(key) if key is not None else None
         if shape is None:
             launchers = rt.launchers(
                 _with_conversions(request, conversions), device, config=config,
@@ -324,9 +338,9 @@ def kv_rope_insert(
             )  # fmt: skip
             if norm:
                 values["eps"] = float(eps)
-            shape = rt.calls[key] = shape_calls(
-                launchers, leading(tensors, kv_scale, None), cache_format, d, **values
-            )
+            shape = shape_calls(launchers, leading(tensors, kv_scale, None), cache_format, d, **values)
+            if key is not None:
+                rt.calls[key] = shape
     m = slot_mapping.shape[0]
     if m == 0:
         return shape

@@ -145,11 +145,13 @@ def _count_full_checks(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("name", sorted(OVERLAPS))
-def test_one_call_fast_path_refuses_overlap_and_launches_nothing(name):
-    rt = StubRuntime()
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_one_call_fast_path_refuses_overlap_and_launches_nothing(name, native):
+    rt = StubRuntime(native=native)
     args = valid("cpu")
     ops.qnorm_rope_kv_insert(*(args[k] for k in QKV_ARGS), runtime=rt)  # validates, caches the shape
     assert rt.kernel.calls == 1 and len(rt.calls) == 1
+    assert (next(iter(rt.calls.values())).native is not None) == native
     args = valid("cpu")
     OVERLAPS[name][0](args)
     before = snapshot(args)
@@ -161,11 +163,13 @@ def test_one_call_fast_path_refuses_overlap_and_launches_nothing(name):
 
 
 @pytest.mark.parametrize("name", sorted(KV_OVERLAPS))
-def test_kv_fast_path_refuses_overlap_and_launches_nothing(name):
-    rt = StubRuntime()
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_kv_fast_path_refuses_overlap_and_launches_nothing(name, native):
+    rt = StubRuntime(native=native)
     args = valid_kv("cpu")
     ops.kv_rope_insert(*(args[k] for k in KV_ARGS[:-1]), norm_weight=args["norm_weight"], runtime=rt)
     assert rt.kernel.calls == 1 and len(rt.calls) == 1
+    assert (next(iter(rt.calls.values())).native is not None) == native
     args = valid_kv("cpu")
     KV_OVERLAPS[name][0](args)
     before = snapshot(args)
@@ -175,17 +179,19 @@ def test_kv_fast_path_refuses_overlap_and_launches_nothing(name):
     assert unchanged(before, args) == []
 
 
-def _bound(in_place: bool):
-    rt = StubRuntime()
+def _bound(in_place: bool, native: bool = False):
+    rt = StubRuntime(native=native)
     heads = dict(num_heads=H) if in_place else dict(num_heads=H, padded_heads=P, max_tokens=N)
     return stub_bind(runtime=rt, block_size=BS, **heads), rt.kernel
 
 
 @pytest.mark.parametrize("name", sorted(BOUND_OVERLAPS))
-def test_bound_op_refuses_overlap_and_launches_nothing(name):
-    op, kernel = _bound(in_place=False)
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_bound_op_refuses_overlap_and_launches_nothing(name, native):
+    op, kernel = _bound(in_place=False, native=native)
     args = valid("cpu")
     op(*(args[k] for k in BOUND_ARGS))
+    assert (op._fast is not None) == native
     scratch = op.pool.buffer(padded_heads=P, head_dim=512)
     args = valid("cpu") | {"k_cache": args["k_cache"], "cos_sin_cache": args["cos_sin_cache"]}  # same objects
     BOUND_OVERLAPS[name][0](args, scratch)
@@ -200,10 +206,12 @@ def test_bound_op_refuses_overlap_and_launches_nothing(name):
 
 
 @pytest.mark.parametrize("name", sorted(IN_PLACE_OVERLAPS))
-def test_bound_op_in_place_refuses_overlap_with_q_in(name):
-    op, kernel = _bound(in_place=True)
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_bound_op_in_place_refuses_overlap_with_q_in(name, native):
+    op, kernel = _bound(in_place=True, native=native)
     args = valid("cpu")
     op(*(args[k] for k in BOUND_ARGS))
+    assert (op._fast is not None) == native
     args = valid("cpu") | {"k_cache": args["k_cache"], "cos_sin_cache": args["cos_sin_cache"]}
     IN_PLACE_OVERLAPS[name][0](args)
     before = snapshot(args)
@@ -212,13 +220,14 @@ def test_bound_op_in_place_refuses_overlap_with_q_in(name):
     assert kernel.calls == 1 and unchanged(before, args) == []
 
 
-def test_valid_calls_stay_on_the_fast_path(monkeypatch):
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_valid_calls_stay_on_the_fast_path(monkeypatch, native):
     """The per-call check refuses nothing valid: after the first call of a shape no full validation
     runs, for the one-call function (written pads and in place), the KV-only one and bound ops."""
     a, kv_args = valid("cpu"), valid_kv("cpu")
-    rt = StubRuntime()
-    op, _ = _bound(in_place=False)
-    op_in_place, _ = _bound(in_place=True)
+    rt = StubRuntime(native=native)
+    op, _ = _bound(in_place=False, native=native)
+    op_in_place, _ = _bound(in_place=True, native=native)
     in_place = dict(a, q_out=a["q_in"])
     calls = [
         lambda: ops.qnorm_rope_kv_insert(*(a[k] for k in QKV_ARGS), runtime=rt),
@@ -231,7 +240,10 @@ def test_valid_calls_stay_on_the_fast_path(monkeypatch):
     for call in calls:
         call()
     full = _count_full_checks(monkeypatch)
+    launched = rt.kernel.calls
     for _ in range(3):
         for call in calls:
             call()
     assert full == []
+    assert rt.kernel.calls == launched + 9  # the three one-call calls per round launched
+    assert all((shape.native is not None) == native for shape in rt.calls.values())

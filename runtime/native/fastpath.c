@@ -326,6 +326,162 @@ static PyObject* plan_bound_kv(PlanObject* self, PyObject* const* args, Py_ssize
   return PyBool_FromLong(ok);
 }
 
+/* ---- the one-call functions' key and plan lookup (ops.py) ------------------------------------
+ * The key of a one-call shape: the tensors' facts the compiled variant depends on and the caller's
+ * scalar arguments as given (compared by value, as Python compares a tuple). ops.py keys rt.calls
+ * with these functions whenever this module is loaded, so lookups made here find what it stored. */
+
+static PyObject* dtype_code(const DLTensor* t) {
+  return PyLong_FromLong((long)t->dtype.code << 16 | (long)t->dtype.bits << 8 | (long)t->dtype.lanes);
+}
+
+/* A tuple of n items, each a new reference (NULL items: the tuple is not made). */
+static PyObject* tuple_of(PyObject** items, int n) {
+  PyObject* t = NULL;
+  for (int i = 0; i < n; ++i)
+    if (items[i] == NULL) goto done;
+  t = PyTuple_New(n);
+  if (t == NULL) goto done;
+  for (int i = 0; i < n; ++i) {
+    PyTuple_SET_ITEM(t, i, items[i]);
+    items[i] = NULL;
+  }
+done:
+  for (int i = 0; i < n; ++i) Py_XDECREF(items[i]);
+  return t;
+}
+
+static PyObject* presence(PyObject* o) { return Py_NewRef(o != Py_None ? Py_True : Py_False); }
+
+/* args: q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size,
+ * cache_format, kv_scale, q_scale, write_pad_heads, checked, numerics, apply_q_norm, apply_q_rope,
+ * q_layout, config, conversions (ops.qnorm_rope_kv_insert's order). */
+#define QKV_KEY_ARGS 20
+static PyObject* make_qkv_key(PyObject* const* a, const DLTensor* q_in, const DLTensor* q_out,
+                              const DLTensor* cos_sin, const DLTensor* slots) {
+  if (q_in->ndim != 3 || q_out->ndim != 3 || cos_sin->ndim != 2) return NULL;
+  int pads = PyObject_IsTrue(a[12]);
+  if (pads < 0) {
+    PyErr_Clear();
+    return NULL;
+  }
+  PyObject* items[19] = {
+      PyLong_FromLong((long)q_in->device.device_type << 16 | q_in->device.device_id), dtype_code(q_in), Py_NewRef(a[9]),
+      PyLong_FromLongLong(q_in->shape[2]), PyLong_FromLongLong(q_in->shape[1]),
+      PyLong_FromLongLong(pads ? q_out->shape[1] : q_in->shape[1]), PyLong_FromLongLong(cos_sin->shape[1]),
+      presence(a[10]), presence(a[11]), Py_NewRef(a[7]), Py_NewRef(a[8]), Py_NewRef(a[13]), Py_NewRef(a[14]),
+      Py_NewRef(a[15]), Py_NewRef(a[16]), Py_NewRef(a[17]), dtype_code(slots), Py_NewRef(a[18]), Py_NewRef(a[19]),
+  };
+  return tuple_of(items, 19);
+}
+
+/* args: kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight,
+ * eps, kv_scale, checked, numerics, compress_ratio, config, conversions (ops.kv_rope_insert's order). */
+#define KV_KEY_ARGS 15
+static PyObject* make_kv_key(PyObject* const* a, const DLTensor* kv, const DLTensor* cos_sin,
+                             const DLTensor* slots) {
+  if (kv->ndim != 2 || cos_sin->ndim != 2) return NULL;
+  PyObject* items[15] = {
+      PyLong_FromLong((long)kv->device.device_type << 16 | kv->device.device_id), dtype_code(kv), Py_NewRef(a[6]), PyLong_FromLongLong(kv->shape[1]),
+      PyLong_FromLongLong(cos_sin->shape[1]), presence(a[7]), presence(a[9]), Py_NewRef(a[8]), Py_NewRef(a[5]),
+      Py_NewRef(a[10]), Py_NewRef(a[11]), Py_NewRef(a[12]), dtype_code(slots), Py_NewRef(a[13]), Py_NewRef(a[14]),
+  };
+  return tuple_of(items, 15);
+}
+
+/* The key, or None when an argument is not what a cached shape could have (the Python path decides). */
+static PyObject* qkv_key(PyObject* mod, PyObject* const* a, Py_ssize_t nargs) {
+  if (!nargs_is(nargs, QKV_KEY_ARGS, "qkv_key")) return NULL;
+  DLTensor q_in, q_out, cos_sin, slots;
+  PyObject* key = NULL;
+  if (as_dltensor(a[0], &q_in) && as_dltensor(a[2], &q_out) && as_dltensor(a[6], &cos_sin) &&
+      as_dltensor(a[4], &slots))
+    key = make_qkv_key(a, &q_in, &q_out, &cos_sin, &slots);
+  if (key == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+  return key;
+}
+
+static PyObject* kv_key(PyObject* mod, PyObject* const* a, Py_ssize_t nargs) {
+  if (!nargs_is(nargs, KV_KEY_ARGS, "kv_key")) return NULL;
+  DLTensor kv, cos_sin, slots;
+  PyObject* key = NULL;
+  if (as_dltensor(a[0], &kv) && as_dltensor(a[4], &cos_sin) && as_dltensor(a[2], &slots))
+    key = make_kv_key(a, &kv, &cos_sin, &slots);
+  if (key == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+  return key;
+}
+
+/* The cached shape's plan for `key` in `calls` (a borrowed pointer), or NULL. */
+static const ap_plan* lookup(PyObject* calls, PyObject* key, PyObject** shape_out) {
+  *shape_out = NULL;
+  if (key == NULL || !PyDict_Check(calls)) return NULL;
+  PyObject* shape = PyDict_GetItemWithError(calls, key); /* borrowed */
+  if (shape == NULL) return NULL;
+  static PyObject* name = NULL;
+  if (name == NULL && (name = PyUnicode_InternFromString("native")) == NULL) return NULL;
+  PyObject* plan = PyObject_GetAttr(shape, name);
+  if (plan == NULL) return NULL;
+  const ap_plan* p = NULL;
+  if (Py_TYPE(plan) == &PlanType) p = &((PlanObject*)plan)->plan; /* kept alive by the shape */
+  Py_DECREF(plan);
+  *shape_out = shape;
+  return p;
+}
+
+/* run_qkv(calls, <qkv_key's arguments>): the shape's ShapeCalls when the call ran (or had nothing to
+ * do), None when nothing was launched (not cached, or refused: the Python path takes it). */
+static PyObject* run_qkv(PyObject* mod, PyObject* const* args, Py_ssize_t nargs) {
+  if (!nargs_is(nargs, 1 + QKV_KEY_ARGS, "run_qkv")) return NULL;
+  PyObject* const* a = args + 1;
+  DLTensor t[9];
+  DLTensor *kv_scale = NULL, *q_scale = NULL;
+  for (int i = 0; i < 7; ++i)
+    if (!as_dltensor(a[i], &t[i])) Py_RETURN_NONE;
+  if (a[10] != Py_None) {
+    if (!as_dltensor(a[10], &t[7])) Py_RETURN_NONE;
+    kv_scale = &t[7];
+  }
+  if (a[11] != Py_None) {
+    if (!as_dltensor(a[11], &t[8])) Py_RETURN_NONE;
+    q_scale = &t[8];
+  }
+  PyObject* key = make_qkv_key(a, &t[0], &t[2], &t[6], &t[4]);
+  PyObject* shape;
+  const ap_plan* p = lookup(args[0], key, &shape);
+  Py_XDECREF(key);
+  if (PyErr_Occurred()) return NULL;
+  if (p != NULL && ap_one_call_qkv(p, &t[0], &t[1], &t[2], &t[3], &t[4], &t[5], &t[6], kv_scale, q_scale,
+                                   stream_of(&t[0])))
+    return Py_NewRef(shape);
+  Py_RETURN_NONE;
+}
+
+static PyObject* run_kv(PyObject* mod, PyObject* const* args, Py_ssize_t nargs) {
+  if (!nargs_is(nargs, 1 + KV_KEY_ARGS, "run_kv")) return NULL;
+  PyObject* const* a = args + 1;
+  DLTensor kv, k_cache, slots, positions, cos_sin, norm, scale;
+  DLTensor *norm_p = NULL, *scale_p = NULL;
+  if (!as_dltensor(a[0], &kv) || !as_dltensor(a[1], &k_cache) || !as_dltensor(a[2], &slots) ||
+      !as_dltensor(a[3], &positions) || !as_dltensor(a[4], &cos_sin))
+    Py_RETURN_NONE;
+  if (a[7] != Py_None) {
+    if (!as_dltensor(a[7], &norm)) Py_RETURN_NONE;
+    norm_p = &norm;
+  }
+  if (a[9] != Py_None) {
+    if (!as_dltensor(a[9], &scale)) Py_RETURN_NONE;
+    scale_p = &scale;
+  }
+  PyObject* key = make_kv_key(a, &kv, &cos_sin, &slots);
+  PyObject* shape;
+  const ap_plan* p = lookup(args[0], key, &shape);
+  Py_XDECREF(key);
+  if (PyErr_Occurred()) return NULL;
+  if (p != NULL && ap_one_call_kv(p, &kv, norm_p, &k_cache, &slots, &positions, &cos_sin, scale_p, stream_of(&kv)))
+    return Py_NewRef(shape);
+  Py_RETURN_NONE;
+}
+
 static void plan_dealloc(PlanObject* self) {
   Py_XDECREF(self->keep);
   PyObject_Free(self);
@@ -376,6 +532,10 @@ static PyObject* buckets(PyObject* mod, PyObject* unused) { return PyLong_FromLo
 static PyMethodDef module_methods[] = {
     {"init", init, METH_VARARGS, "init(torch.Tensor.__dlpack_c_exchange_api__, torch.Tensor)"},
     {"buckets", buckets, METH_NOARGS, "how many token-count buckets a plan takes"},
+    {"qkv_key", (PyCFunction)(void (*)(void))qkv_key, METH_FASTCALL, "a one-call qkv shape's key"},
+    {"kv_key", (PyCFunction)(void (*)(void))kv_key, METH_FASTCALL, "a one-call kv shape's key"},
+    {"run_qkv", (PyCFunction)(void (*)(void))run_qkv, METH_FASTCALL, "ops.qnorm_rope_kv_insert's fast path"},
+    {"run_kv", (PyCFunction)(void (*)(void))run_kv, METH_FASTCALL, "ops.kv_rope_insert's fast path"},
     {"one_call_qkv_plan", one_call_qkv_plan, METH_VARARGS, "(calls, need, needs_kv_scale, q8)"},
     {"one_call_kv_plan", one_call_kv_plan, METH_VARARGS, "(calls, need, needs_kv_scale, has_norm)"},
     {"bound_qkv_plan", bound_qkv_plan, METH_VARARGS, "see fastpath.c"},

@@ -5,10 +5,11 @@
 // which validates (raising the typed error), launches, and hands back the plan to cache.
 //
 // Built against the torch that loads it (the C++ ABI is torch's); links nothing of CUDA: the
-// current stream comes through c10's device-guard interface.
+// current stream comes through c10's device-guard interface. Registered for the CUDA key only: a
+// kernel at AutogradCUDA would run before the Python key, so torch.compile's fake tensors would reach
+// it (measured: no gain worth that on the H200 either).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
@@ -171,36 +172,6 @@ void kv_cuda(const at::Tensor& kv, at::Tensor& k_cache, const at::Tensor& slots,
   if (!key.empty()) plans.put(key, address);
 }
 
-// The same kernels for AutogradCUDA: the dispatcher calls them directly instead of the boxed autograd
-// fallback. The ops have no derivative (their outputs are caller-owned buffers): an input that needs
-// a gradient while grad mode is on is refused here rather than left to a warning at backward time.
-void refuse_grad(std::initializer_list<const at::Tensor*> tensors, const char* op) {
-  if (!c10::GradMode::is_enabled()) return;
-  for (const at::Tensor* t : tensors)
-    TORCH_CHECK(!t->defined() || !t->requires_grad(), "attn_prologue::", op,
-                " has no derivative: call it on tensors that do not require grad (or under torch.no_grad())");
-}
-
-void qkv_autograd_cuda(const at::Tensor& q_in, const at::Tensor& kv, at::Tensor& q_out, at::Tensor& k_cache,
-                       const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& cos_sin, double eps,
-                       int64_t block_size, c10::string_view cache_format, const std::optional<at::Tensor>& kv_scale,
-                       const std::optional<at::Tensor>& q_scale, c10::string_view numerics, bool apply_q_norm,
-                       bool apply_q_rope, c10::string_view q_layout) {
-  refuse_grad({&q_in, &kv, &q_out, &k_cache, &cos_sin}, "qnorm_rope_kv_insert");
-  qkv_cuda(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale, q_scale,
-           numerics, apply_q_norm, apply_q_rope, q_layout);
-}
-
-void kv_autograd_cuda(const at::Tensor& kv, at::Tensor& k_cache, const at::Tensor& slots, const at::Tensor& positions,
-                      const at::Tensor& cos_sin, int64_t block_size, c10::string_view cache_format,
-                      const std::optional<at::Tensor>& norm_weight, double eps,
-                      const std::optional<at::Tensor>& kv_scale, c10::string_view numerics, int64_t compress_ratio) {
-  refuse_grad({&kv, &k_cache, &cos_sin}, "kv_rope_insert");
-  if (norm_weight) refuse_grad({&*norm_weight}, "kv_rope_insert");
-  kv_cuda(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight, eps, kv_scale, numerics,
-          compress_ratio);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attn_prologue, CUDA, m) {
@@ -208,7 +179,3 @@ TORCH_LIBRARY_IMPL(attn_prologue, CUDA, m) {
   m.impl("kv_rope_insert", &kv_cuda);
 }
 
-TORCH_LIBRARY_IMPL(attn_prologue, AutogradCUDA, m) {
-  m.impl("qnorm_rope_kv_insert", &qkv_autograd_cuda);
-  m.impl("kv_rope_insert", &kv_autograd_cuda);
-}

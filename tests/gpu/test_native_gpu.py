@@ -204,20 +204,3 @@ def test_bound_kv_refuses_an_input_inside_its_cache_and_writes_nothing():
         op(inside, x.k_cache, x.slot_mapping, x.positions, x.cos_sin_cache)
     torch.cuda.synchronize()
     assert torch.equal(before, x.extra["k_storage"])
-
-
-def test_torch_op_refuses_inputs_that_need_grad_and_writes_nothing():
-    c = Case(n=4, h=8, p=8)
-    x = make_inputs(c)
-    _torch_op(clone_outputs(x), c)  # the shape's plan exists: the refusal is not the slow path's
-    got = clone_outputs(x)
-    got.kv = x.kv.clone().requires_grad_()
-    before = got.extra["k_storage"].clone()
-    with pytest.raises(RuntimeError, match="has no derivative"):
-        _torch_op(got, c)
-    torch.cuda.synchronize()
-    assert torch.equal(before, got.extra["k_storage"])
-    with torch.no_grad():
-        _torch_op(got, c)  # allowed without grad mode
-    torch.cuda.synchronize()
-    _check(got, run_reference(x))

@@ -1,12 +1,14 @@
 """The one-call functions' and bound ops' hot paths on CPU tensors, with the compiled kernel replaced by
 a Python function: everything up to the kernel call runs as on CUDA (key, cheap checks, overlap check,
-full validation on a refusal), so the wiring is testable and measurable without a GPU.
+full validation on a refusal), so the wiring is testable and measurable without a GPU. With
+`native=True` the stand-in is a TVM-FFI function, so the C fast path (native/) is what runs.
 
 The stub kernel writes one byte of each buffer a real kernel writes (q_out and k_cache), so a call
 that should have been refused shows up as changed bytes, and counts its calls."""
 
 from __future__ import annotations
 
+import ctypes
 from contextlib import contextmanager
 
 import torch
@@ -29,9 +31,37 @@ class StubKernel:
         k_cache[0, 0] += 1
 
 
+class FfiStubKernel:
+    """The stub as a TVM-FFI function, so a shape's native plan (native/fastpath.h) is made and calls
+    it from C with DLTensor arguments: the C checks then run as they do on CUDA. It writes the same
+    bytes as StubKernel (through the pointers it is given) and records each call's arguments."""
+
+    def __init__(self):
+        import tvm_ffi
+
+        self.calls = 0
+        self.args: list[list] = []  # per call: (data_ptr, shape, strides, dtype) per tensor, scalars as given
+        self.fn = tvm_ffi.convert(self._call)
+
+    def _call(self, *args):
+        self.calls += 1
+        # the arguments are views valid only during the call: read them now
+        seen = [(a.data_ptr(), tuple(a.shape), tuple(a.strides), str(a.dtype)) if hasattr(a, "data_ptr") else a
+                for a in args]  # fmt: skip
+        self.args.append(seen)
+        tensors = [a for a in seen if isinstance(a, tuple)]
+        if len(tensors[0][1]) == 3:  # qkv: q_in, kv, q_out, k_cache, ...
+            written = (tensors[2], tensors[3])
+        else:
+            written = (next(t for t in tensors if t[3] == "uint8"),)
+        for ptr, *_ in written:
+            byte = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint8))
+            byte[0] = (byte[0] + 1) & 0xFF
+
+
 class StubLauncher:
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, kernel):
+        self.fn = getattr(kernel, "fn", kernel)
 
     def tail(self, leading, **values) -> tuple:
         return ()
@@ -40,9 +70,9 @@ class StubLauncher:
 class StubRuntime(dispatch.Runtime):
     """Resolves every request to `kernel` on CPU (no kernel cache, no device facts)."""
 
-    def __init__(self, kernel=None):
+    def __init__(self, kernel=None, *, native: bool = False):
         super().__init__()
-        self.kernel = kernel or StubKernel()
+        self.kernel = kernel or (FfiStubKernel() if native else StubKernel())
 
     def launchers(self, request, device=None, **_):
         return (StubLauncher(self.kernel),) * (dispatch.MAX_BUCKET_LOG2 + 1)

@@ -1,0 +1,151 @@
+"""The native fast path on CPU: the C module builds and loads here, its cache entry is keyed and
+trusted like a kernel's, a plan passes the kernel exactly what the Python path passes (tensors in
+order, the bucket's tail, the bucket by token count, an FP8 q_out as uint8), and the C++ torch-op
+kernels build against this torch and take over the ops' CUDA key. The refusals of the C checks are
+tested beside the Python ones in test_overlap_fast_path.py (its `native` cases)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from attn_prologue import native, ops
+from attn_prologue.jit.kernel_cache import UntrustedCacheError
+
+from .support.bad_inputs import BS, valid
+from .support.stub_kernels import StubRuntime
+
+QKV = (
+    "q_in",
+    "kv",
+    "q_out",
+    "k_cache",
+    "slot_mapping",
+    "positions",
+    "cos_sin_cache",
+    "eps",
+    "block_size",
+    "cache_format",
+)
+
+
+@pytest.fixture
+def own_native_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTN_PROLOGUE_CACHE", str(tmp_path / "kernels"))
+    return tmp_path / "native"
+
+
+def test_the_fast_path_module_builds_and_loads_here():
+    fp = native.fastpath()
+    assert fp is not None, "no C compiler or no DLPack exchange API: CI must have both"
+    assert fp.buckets() == ops.MAX_BUCKET_LOG2 + 1
+
+
+def test_entries_are_keyed_by_sources_and_host_and_checked_before_use(own_native_root):
+    key, facts = native.entry_key("fastpath")
+    assert facts["host"] and facts["python"] and facts["tvm_ffi"]
+    path = native.build("fastpath")
+    assert path.parent == own_native_root / "fastpath" / key
+    meta = json.loads((path.parent / "meta.json").read_text())
+    assert meta["file"] == path.name and len(meta["sha256"]) == 64
+    assert native.built_path("fastpath") == path
+    path.write_bytes(path.read_bytes() + b"\0")  # changed bytes: not the entry meta.json describes
+    assert native.built_path("fastpath") is None
+    assert native.build("fastpath") == path and native.built_path("fastpath") == path  # rebuilt once
+    os.chmod(path.parent, 0o777)
+    with pytest.raises(UntrustedCacheError, match="writable by other users"):
+        native.built_path("fastpath")
+
+
+class TailLauncher:
+    """A launcher whose tail is what a real one passes after the tensors (a tensor, a float, ints)."""
+
+    def __init__(self, kernel, bucket: int, errors: torch.Tensor):
+        self.fn, self.bucket, self.errors = kernel.fn, bucket, errors
+
+    def tail(self, leading, **values):
+        return (self.errors, 1e-6, values["block_size"], self.bucket, 1)
+
+
+class TailRuntime(StubRuntime):
+    def __init__(self):
+        super().__init__(native=True)
+        self.errors = torch.zeros(2, dtype=torch.int32)
+
+    def launchers(self, request, device=None, **_):
+        return tuple(TailLauncher(self.kernel, b, self.errors) for b in range(ops.MAX_BUCKET_LOG2 + 1))
+
+
+def _tensors(call):
+    return [a for a in call if isinstance(a, tuple)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 9])
+def test_a_plan_passes_the_tensors_tail_and_bucket_the_python_path_passes(n):
+    rt = TailRuntime()
+    a = valid("cpu")
+    ops.qnorm_rope_kv_insert(*(a[k] for k in QKV), runtime=rt)  # Python path: validates, makes the plan
+    shape = next(iter(rt.calls.values()))
+    assert shape.native is not None
+    a = valid("cpu")
+    rows = {k: (t[:n] if k in ("q_in", "kv", "positions", "slot_mapping") else t) for k, t in a.items()}
+    rows["q_out"] = a["q_out"]  # N' >= N
+    assert shape.native.qkv(*(rows[k] for k in QKV[:7]), None, None)
+    got = rt.kernel.args[-1]
+    want_tensors = [rows[k] for k in QKV[:7]] + [rt.errors]
+    assert [(p, s, st) for p, s, st, _ in _tensors(got)] == [
+        (t.data_ptr(), tuple(t.shape), tuple(t.stride())) for t in want_tensors
+    ]
+    assert got[8:] == [1e-6, BS, (n - 1).bit_length(), 1]  # the tail of bucket bit_length(n - 1)
+
+
+def test_an_fp8_q_out_reaches_the_kernel_as_uint8():
+    rt = StubRuntime(native=True)
+    a = valid("cpu")
+    a["q_out"] = torch.zeros(a["q_out"].shape, dtype=torch.float8_e4m3fn)
+    q_scale = torch.tensor([0.5])
+    args = [a[k] for k in QKV]
+    ops.qnorm_rope_kv_insert(*args, q_scale=q_scale, runtime=rt)
+    ops.qnorm_rope_kv_insert(*args, q_scale=q_scale, runtime=rt)  # the plan's call
+    assert next(iter(rt.calls.values())).native is not None and rt.kernel.calls == 2
+    assert [t[3] for t in _tensors(rt.kernel.args[-1])][2:4] == ["uint8", "uint8"]  # q_out, k_cache
+
+
+def test_keys_tell_slot_widths_and_devices_apart():
+    fp = native.fastpath()
+    a = valid("cpu")
+    tail = ("fp8_ds_mla", None, None, True, True, None, True, True, "head_major", None, None)
+    key = fp.qkv_key(*(a[k] for k in QKV[:9]), *tail)
+    slots32 = a["slot_mapping"].to(torch.int32)
+    args32 = [slots32 if k == "slot_mapping" else a[k] for k in QKV[:9]]
+    assert key != fp.qkv_key(*args32, *tail)
+    assert key == fp.qkv_key(*(a[k] for k in QKV[:9]), *tail)
+    assert fp.qkv_key(None, *(a[k] for k in QKV[1:9]), *tail) is None  # not a tensor: no key
+
+
+def test_turned_off_the_python_path_serves():
+    code = (
+        "import attn_prologue as ap; from attn_prologue import native, torch_op; "
+        "print(native.fastpath() is None, torch_op.cuda_kernels())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, native.ENV_NATIVE: "0"}, check=True)  # fmt: skip
+    assert out.stdout.split() == ["True", "Python"]
+
+
+def test_the_torch_op_kernels_build_against_this_torch_and_take_the_cuda_key(tmp_path):
+    code = (
+        "import torch, attn_prologue as ap; from attn_prologue import torch_op; "
+        "p = torch_op.load_native_kernels(build=True); "
+        "has = torch._C._dispatch_has_kernel_for_dispatch_key; "
+        "print(p is not None, torch_op.cuda_kernels(), has('attn_prologue::qnorm_rope_kv_insert', 'CUDA'), "
+        "has('attn_prologue::kv_rope_insert', 'CUDA'))"
+    )
+    env = {**os.environ, "ATTN_PROLOGUE_CACHE": str(tmp_path / "kernels")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "C++", "True", "True"]
