@@ -84,7 +84,9 @@ class Runtime:
         self._variants: dict[tuple, Variant] = {}
         self._arenas: dict[int, selftest.Arena] = {}
         self._lock = threading.RLock()
-        self.calls: dict[tuple, object] = {}  # per-shape fast paths of the one-call functions (ops.py)
+        # per-shape fast paths of the one-call functions (ops.py); only ever grows (an entry is never
+        # replaced or removed: the native fast path remembers recent entries by key)
+        self.calls: dict[tuple, object] = {}
 
     # ---- per device ------------------------------------------------------------------------------
     def device(self, device: torch.device | int | None = None) -> DeviceFacts:

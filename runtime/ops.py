@@ -179,12 +179,14 @@ def qnorm_rope_kv_insert(
         return None
     rt = runtime or default_runtime()
     fp = native.fastpath()
-    args = (q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale,
-            q_scale, write_pad_heads, checked, numerics, apply_q_norm, apply_q_rope, q_layout, config, conversions)  # fmt: skip
     if fp is not None:  # key, lookup, the checks below and the call, in C (native/fastpath.h)
-        shape = fp.run_qkv(rt.calls, *args)
+        shape = fp.run_qkv(rt.calls, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size,
+                           cache_format, kv_scale, q_scale, write_pad_heads, checked, numerics, apply_q_norm,
+                           apply_q_rope, q_layout, config, conversions)  # fmt: skip
         if shape is not None:
             return shape
+    args = (q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format, kv_scale,
+            q_scale, write_pad_heads, checked, numerics, apply_q_norm, apply_q_rope, q_layout, config, conversions)  # fmt: skip
     key = None
     try:
         n, h, d = q_in.shape
@@ -288,12 +290,13 @@ def kv_rope_insert(
         return None
     rt = runtime or default_runtime()
     fp = native.fastpath()
-    args = (kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight, eps, kv_scale,
-            checked, numerics, compress_ratio, config, conversions)  # fmt: skip
     if fp is not None:
-        shape = fp.run_kv(rt.calls, *args)
+        shape = fp.run_kv(rt.calls, kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format,
+                          norm_weight, eps, kv_scale, checked, numerics, compress_ratio, config, conversions)  # fmt: skip
         if shape is not None:
             return shape
+    args = (kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight, eps, kv_scale,
+            checked, numerics, compress_ratio, config, conversions)  # fmt: skip
     norm = () if norm_weight is None else (norm_weight,)
     key = None
     try:

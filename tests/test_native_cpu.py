@@ -149,3 +149,28 @@ def test_the_torch_op_kernels_build_against_this_torch_and_take_the_cuda_key(tmp
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["True", "C++", "True", "True"]
+
+
+def test_remembered_keys_never_cross_runtimes_or_shapes():
+    """The C lookup remembers recent keys by identity: each runtime still reaches its own kernel,
+    and a call whose key differs (int32 ids, or an equal eps given as another float object) finds
+    its own shape or, by value, the same one."""
+    rts = [StubRuntime(native=True), StubRuntime(native=True)]
+    a = valid("cpu")
+    a32 = dict(a, slot_mapping=a["slot_mapping"].to(torch.int32))
+    for rt in rts:
+        ops.qnorm_rope_kv_insert(*(a[k] for k in QKV), runtime=rt)
+    for _ in range(3):
+        for i, rt in enumerate(rts):
+            counts = [r.kernel.calls for r in rts]
+            ops.qnorm_rope_kv_insert(*(a[k] for k in QKV), runtime=rt)
+            assert [r.kernel.calls for r in rts] == [c + (j == i) for j, c in enumerate(counts)]
+    rt = rts[0]
+    ops.qnorm_rope_kv_insert(*(a32[k] for k in QKV), runtime=rt)
+    assert len(rt.calls) == 2 and _tensors(rt.kernel.args[-1])[4][3] == "int32"
+    ops.qnorm_rope_kv_insert(*(a[k] for k in QKV), runtime=rt)
+    assert _tensors(rt.kernel.args[-1])[4][3] == "int64"
+    eps = float(str(a["eps"]))  # equal value, another object
+    assert eps == a["eps"] and eps is not a["eps"]
+    ops.qnorm_rope_kv_insert(*(dict(a, eps=eps)[k] for k in QKV), runtime=rt)
+    assert len(rt.calls) == 2 and _tensors(rt.kernel.args[-1])[4][3] == "int64"
