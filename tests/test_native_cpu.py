@@ -174,3 +174,10 @@ def test_remembered_keys_never_cross_runtimes_or_shapes():
     assert eps == a["eps"] and eps is not a["eps"]
     ops.qnorm_rope_kv_insert(*(dict(a, eps=eps)[k] for k in QKV), runtime=rt)
     assert len(rt.calls) == 2 and _tensors(rt.kernel.args[-1])[4][3] == "int64"
+
+
+def test_a_shared_cache_is_never_written(own_native_root, monkeypatch):
+    monkeypatch.setenv("ATTN_PROLOGUE_CACHE_TRUST", "shared")
+    with pytest.raises(native.NativeBuildError, match="read-only"):
+        native.build("fastpath")
+    assert not own_native_root.exists()

@@ -171,6 +171,11 @@ def build(part: str, root: Path | None = None) -> Path:
             return found
         key, facts = entry_key(part)
         cache = _cache(root)
+        if cache.trust == "shared":
+            raise NativeBuildError(
+                f"the native {part} is not in the shared cache {cache.root} (a shared cache is read-only: "
+                f"its owner builds it with `attn-prologue build`)"
+            )
         parent = cache.root / part
         cache._make_private_dirs(parent)
         with FileLock(str(parent / f"{key}.lock"), timeout=cache.lock_timeout):
