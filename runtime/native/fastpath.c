@@ -137,31 +137,26 @@ static int parse_ranges(PyObject* ranges, ap_range* out, int max, int32_t* n_out
   return 0;
 }
 
-static PyObject* one_call_qkv_plan(PyObject* mod, PyObject* args) {
+/* (calls, need, needs_kv_scale, flag): flag is q8 for qkv plans, has_norm for kv plans. */
+static PyObject* one_call_plan(PyObject* args, int kind) {
   PyObject* calls;
   long long need;
-  int needs_kv_scale, q8;
-  if (!PyArg_ParseTuple(args, "OLpp", &calls, &need, &needs_kv_scale, &q8)) return NULL;
-  PlanObject* self = new_plan(AP_ONE_CALL_QKV, calls);
+  int needs_kv_scale, flag;
+  if (!PyArg_ParseTuple(args, "OLpp", &calls, &need, &needs_kv_scale, &flag)) return NULL;
+  PlanObject* self = new_plan(kind, calls);
   if (self == NULL) return NULL;
   self->plan.need = need;
   self->plan.needs_kv_scale = needs_kv_scale;
-  self->plan.q8 = q8;
+  if (kind == AP_ONE_CALL_QKV)
+    self->plan.q8 = flag;
+  else
+    self->plan.has_norm = flag;
   return (PyObject*)self;
 }
 
-static PyObject* one_call_kv_plan(PyObject* mod, PyObject* args) {
-  PyObject* calls;
-  long long need;
-  int needs_kv_scale, has_norm;
-  if (!PyArg_ParseTuple(args, "OLpp", &calls, &need, &needs_kv_scale, &has_norm)) return NULL;
-  PlanObject* self = new_plan(AP_ONE_CALL_KV, calls);
-  if (self == NULL) return NULL;
-  self->plan.need = need;
-  self->plan.needs_kv_scale = needs_kv_scale;
-  self->plan.has_norm = has_norm;
-  return (PyObject*)self;
-}
+static PyObject* one_call_qkv_plan(PyObject* mod, PyObject* args) { return one_call_plan(args, AP_ONE_CALL_QKV); }
+
+static PyObject* one_call_kv_plan(PyObject* mod, PyObject* args) { return one_call_plan(args, AP_ONE_CALL_KV); }
 
 /* bound_qkv_plan(calls, h, capacity, in_place, q_row, kv_row, slot_bits, k_cache, (k0, k1),
  *                cos_sin_cache, outs, fixed): outs one (buffer, views, (w0, w1)) per micro-batch. */
