@@ -4,7 +4,8 @@ T = 1, H = P = 64, D = 512, fp8_ds_mla, block 64. For qnorm_rope_kv_insert and k
 the one-call function, the bound op (zero-once scratch from a locked pool) and the torch op; and
 the breakdown of the qkv call: the compiled kernel called alone through TVM-FFI with prebuilt
 arguments (launch path + TVM-FFI's tensor conversion), and the native plan called alone (our C
-checks + the launch path). Each is the median of 7 loops of 2000 calls issued back to back (a T = 1
+checks + the launch path) and with its kernel replaced by a no-op TVM-FFI C function
+(tools/noop_ffi_kernel.c, built here with cc: our C alone). Each is the median of 7 loops of 2000 calls issued back to back (a T = 1
 call's device work is shorter than its host work, so the loop measures the host), interleaved with
 the `x.add_(1)` baseline so drift hits both. Absolute microseconds move 1.5-2x between VMs; the
 ratio is what to compare. `ATTN_PROLOGUE_NATIVE=0` measures the Python paths.
@@ -35,6 +36,22 @@ def loop_us(call, n: int) -> float:
         call()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n * 1e6
+
+
+def noop_kernel():
+    """tools/noop_ffi_kernel.c built with cc against tvm_ffi's headers, loaded as a TVM-FFI function."""
+    import pathlib
+    import subprocess
+    import tempfile
+
+    import tvm_ffi
+
+    base = pathlib.Path(tvm_ffi.__file__).parent
+    out = pathlib.Path(tempfile.mkdtemp()) / "noop.so"
+    src = pathlib.Path(__file__).with_name("noop_ffi_kernel.c")
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", f"-I{base / 'include'}", str(src), f"-L{base / 'lib'}",
+                    "-ltvm_ffi", "-o", str(out)], check=True)  # fmt: skip
+    return tvm_ffi.load_module(str(out))["noop"]
 
 
 def main() -> int:
@@ -83,6 +100,13 @@ def main() -> int:
         calls["native plan alone (C checks + launch)"] = lambda: plan.qkv(
             q_in, kv, q_out, k_cache, slots, pos, cs, None, None
         )
+        noop = noop_kernel()
+        idle = native.fastpath().one_call_qkv_plan(
+            [(noop, t) for _, t in shape.calls], bs * get_format(fmt).bytes_per_token(d), False, False
+        )
+        calls["native plan, no-op kernel (our C alone)"] = lambda: idle.qkv(
+            q_in, kv, q_out, k_cache, slots, pos, cs, None, None
+        )
     for call in calls.values():
         loop_us(call, 200)  # warm up: bind, load, first launch, plans
     runs = {name: [] for name in calls}
@@ -96,6 +120,18 @@ def main() -> int:
         name: {"ratio": ratios[name], "bound": bound_, "met": ratios[name] <= bound_}
         for name, bound_ in EAGER_TARGETS.items()
     }
+    breakdown = {}
+    if "native plan, no-op kernel (our C alone)" in us:
+        plan_us, ours = (
+            us["native plan alone (C checks + launch)"],
+            us["native plan, no-op kernel (our C alone)"],
+        )
+        breakdown = {
+            "our C and the Python call into it": ours,
+            "the kernel's host code and the launch": plan_us - ours,
+            "one-call function's Python": us["one-call function"] - plan_us,
+            "torch op's binding, dispatch and C++ kernel body, beyond the plan": us["torch op"] - plan_us,
+        }
     out = {
         "provenance": provenance(),
         "label": args.label,
@@ -106,6 +142,7 @@ def main() -> int:
         "us": us,
         "ratio_to_add": ratios,
         "targets": targets,
+        "breakdown_us": breakdown,
         "runs_us": runs,
     }
     print(f"native fast path: {out['native']}")
@@ -113,6 +150,8 @@ def main() -> int:
         t = targets.get(name)
         verdict = "" if t is None else f"  target <= {t['bound']:.1f}x: {'met' if t['met'] else 'MISSED'}"
         print(f"{name:44} {v:7.2f} us  {v / base:5.2f}x x.add_(1){verdict}")
+    for name, v in breakdown.items():
+        print(f"  {name:70} {v:6.2f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
