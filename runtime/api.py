@@ -39,7 +39,28 @@ def _bind_device(device, what: str) -> torch.device:
     return device
 
 
-class BoundOp:
+class _SlotWidthCalls:
+    """What both bound ops keep per slot-id width (int64, int32): per token-count bucket, the kernel
+    and the arguments after the leading ones (`_lead`), from the launchers for `_request`."""
+
+    def _use_slot_dtype(self, dtype) -> None:
+        """Switch the calls to this slot-id width (int32 ids: kernels compiled for int32, built on first use)."""
+        calls = self._calls_by_dtype.get(dtype)
+        if calls is None:
+            launchers = self._rt.launchers(
+                self._request,
+                self.device,
+                config=self._config,
+                slots32=dtype == torch.int32,
+                **self._launch_args,
+            )
+            calls = self._calls_by_dtype[dtype] = [
+                (la.fn, la.tail(self._lead, **self._values)) for la in launchers
+            ]
+        self._slot_dtype, self._calls = dtype, calls
+
+
+class BoundOp(_SlotWidthCalls):
     """qnorm_rope_kv_insert bound to one layer's shapes, device, cache format and scratch."""
 
     def __init__(
@@ -92,7 +113,7 @@ class BoundOp:
             Op.QKV, head_dim, rope_dim, cache_format, io, QOut.FP8 if q8 else QOut.IO, q_layout=layout
         )
         self._request, self._config, self._rt = request, config, rt
-        launchers = rt.launchers(request, device, heads=num_heads, config=config)  # UnsupportedError early
+        self._launch_args, self._lead = {"heads": num_heads}, ops.QKV_TENSORS
         self.errors = rt.errors_buffer(device)
         self.h, self.p, self.head_dim, self.block_size, self.eps = (
             num_heads,
@@ -112,9 +133,8 @@ class BoundOp:
             checked=self.checked, numerics=flags, q_flags=q_flags(apply_q_norm, apply_q_rope),
             **{n: t for n, t in zip(ops.SCALES, (kv_scale, q_scale)) if t is not None},
         )  # fmt: skip
-        # per slot-id dtype, per token-count bucket: the kernel and the arguments after the tensors
-        self._calls_by_dtype = {torch.int64: self._bucket_calls(launchers)}
-        self._slot_dtype, self._calls = torch.int64, self._calls_by_dtype[torch.int64]
+        self._calls_by_dtype: dict = {}
+        self._use_slot_dtype(torch.int64)  # binds (and self-tests) now: UnsupportedError before any claim
         self.in_place = pool is None
         if self.in_place:
             if p != num_heads:
@@ -152,19 +172,6 @@ class BoundOp:
         self._q_row, self._kv_row = 2 * num_heads * head_dim, 2 * head_dim  # bytes of a q_in row, a kv row
         self._invalid: str | None = None
         self._fast = None  # the native plan's call (native/fastpath.h), made after each full check
-
-    def _bucket_calls(self, launchers) -> list:
-        return [(la.fn, la.tail(ops.QKV_TENSORS, **self._values)) for la in launchers]
-
-    def _use_slot_dtype(self, dtype) -> None:
-        """Switch the calls to this slot-id width (int32 ids: kernels compiled for int32, built on first use)."""
-        calls = self._calls_by_dtype.get(dtype)
-        if calls is None:
-            launchers = self._rt.launchers(
-                self._request, self.device, heads=self.h, config=self._config, slots32=dtype == torch.int32
-            )
-            calls = self._calls_by_dtype[dtype] = self._bucket_calls(launchers)
-        self._slot_dtype, self._calls = dtype, calls
 
     def invalidate(self, reason: str) -> None:
         """The pool retired a buffer this op writes: drop it (so reserved_bytes is what is held) and
@@ -317,7 +324,7 @@ def bind(**kwargs) -> BoundOp:
     return BoundOp(**kwargs)
 
 
-class BoundKvOp:
+class BoundKvOp(_SlotWidthCalls):
     """kv_rope_insert bound to one layer's cache: the KV-only call (DeepSeek-V4.1 on SM100), the
     compressed-cache writer (compress_ratio > 1) and, with norm_weight, the indexer-key writer."""
 
@@ -366,21 +373,10 @@ class BoundKvOp:
             numerics=flags, compress_ratio=compress_ratio, **({"eps": self.eps} if norm_weight is not None else {}),
         )  # fmt: skip
         self._calls_by_dtype: dict = {}
-        self._slot_dtype, self._calls = None, None
+        self._launch_args = {}
         self._use_slot_dtype(torch.int64)  # binds (and self-tests) now: UnsupportedError early
         self._k_cache, self._k_range, self._fast = None, (0, 0), None
         self._fixed = tuple(validate.byte_range(t) for t in (norm_weight, kv_scale) if t is not None)
-
-    def _use_slot_dtype(self, dtype) -> None:
-        calls = self._calls_by_dtype.get(dtype)
-        if calls is None:
-            launchers = self._rt.launchers(
-                self._request, self.device, config=self._config, slots32=dtype == torch.int32
-            )
-            calls = self._calls_by_dtype[dtype] = [
-                (la.fn, la.tail(self._lead, **self._values)) for la in launchers
-            ]
-        self._slot_dtype, self._calls = dtype, calls
 
     def __call__(self, kv, k_cache, slot_mapping, positions, cos_sin_cache) -> None:
         """Insert rows t < len(slot_mapping) (group-boundary rows only with compress_ratio > 1).

@@ -133,6 +133,21 @@ def cmd_build(args) -> int:
     return 0
 
 
+def _print_native(root: Path) -> None:
+    """Whether the native parts are built for this Python, tvm_ffi and torch (beside the kernel cache)."""
+    from . import native
+    from .errors import AttnPrologueError
+
+    for part in native.PARTS:
+        try:
+            path = native.built_path(part, root)
+        except AttnPrologueError as exc:  # an untrusted entry: say so, do not load it
+            path, why = None, str(exc)
+        else:
+            why = "not built for this environment (`build` builds it)"
+        print(f"  native {part}: {path if path is not None else why}")
+
+
 def _build_native(root: Path) -> None:
     """The native fast path and the C++ torch-op kernels (native/): without a C/C++ compiler the
     Python paths serve, so a failure is reported, not fatal."""
@@ -176,6 +191,7 @@ def cmd_cache(args) -> int:
     for target, count in sorted(entries.items()):
         print(f"  {target:8} {count:5d} kernels")
     print(f"  {sum(entries.values())} kernels, {locks} lock files, {size / 2**20:.1f} MiB")
+    _print_native(root.parent / "native")
     if args.clean:
         for child in root.iterdir():
             if child.is_dir() and not child.is_symlink():
