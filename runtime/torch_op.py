@@ -20,13 +20,14 @@ one-call function, which validates and raises the typed error, and hands back th
 from __future__ import annotations
 
 import collections
+import warnings
 
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from . import native, ops, reference, validate
-from .errors import InputError
+from .errors import AttnPrologueError, InputError
 from .formats import get_format
 
 NAMESPACE = "attn_prologue"
@@ -146,4 +147,11 @@ def refuse_meta(t: Tensor) -> None:
         )
 
 
-load_native_kernels()  # the C++ CUDA kernels, where `attn-prologue build` built them for this torch
+try:  # the C++ CUDA kernels, where `attn-prologue build` built them for this torch
+    load_native_kernels()
+except (AttnPrologueError, OSError, RuntimeError) as _exc:  # e.g. an untrusted entry: import anyway
+    warnings.warn(
+        f"attn_prologue: the C++ torch-op kernels were not loaded ({_exc}); the Python ones serve",
+        native.NativeUnavailableWarning,
+        stacklevel=2,
+    )

@@ -181,3 +181,14 @@ def test_a_shared_cache_is_never_written(own_native_root, monkeypatch):
     with pytest.raises(native.NativeBuildError, match="read-only"):
         native.build("fastpath")
     assert not own_native_root.exists()
+
+
+def test_an_untrusted_native_entry_is_refused_with_a_warning_and_the_package_still_imports(own_native_root):
+    native.build("torch_ops")
+    os.chmod(own_native_root / "torch_ops", 0o777)
+    code = "import attn_prologue as ap; from attn_prologue import torch_op; print(torch_op.cuda_kernels())"
+    out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["Python"]
+    assert "were not loaded" in out.stderr and "writable by other users" in out.stderr
