@@ -59,6 +59,10 @@ class _SlotWidthCalls:
             ]
         self._slot_dtype, self._calls = dtype, calls
 
+    @property
+    def _slot_bits(self) -> int:
+        return 32 if self._slot_dtype is torch.int32 else 64
+
 
 class BoundOp(_SlotWidthCalls):
     """qnorm_rope_kv_insert bound to one layer's shapes, device, cache format and scratch."""
@@ -252,7 +256,7 @@ class BoundOp(_SlotWidthCalls):
         outs = tuple(self._out[mb] for mb in range(len(self.buffers)))
         plan = ops.native_plan(
             "bound_qkv_plan", self._calls, self.h, self.capacity, self.in_place, self._q_row, self._kv_row,
-            64 if self._slot_dtype is torch.int64 else 32, self._k_cache, self._k_range, self._cos_sin_cache,
+            self._slot_bits, self._k_cache, self._k_range, self._cos_sin_cache,
             outs, self._fixed,
         )  # fmt: skip
         return None if plan is None else plan.bound_qkv
@@ -397,7 +401,7 @@ class BoundKvOp(_SlotWidthCalls):
             self._full_check(kv, k_cache, slot_mapping, positions, cos_sin_cache)
             self._use_slot_dtype(slot_mapping.dtype)
             plan = ops.native_plan(
-                "bound_kv_plan", self._calls, 64 if self._slot_dtype is torch.int64 else 32, k_cache,
+                "bound_kv_plan", self._calls, self._slot_bits, k_cache,
                 self._k_range, self.norm_weight, self.kv_scale, self._fixed,
             )  # fmt: skip
             self._fast = None if plan is None else plan.bound_kv

@@ -49,12 +49,13 @@ def leading(tensors: tuple[str, ...], kv_scale, q_scale) -> tuple[str, ...]:
 def shape_calls(launchers, lead: tuple[str, ...], cache_format: str, head_dim: int, **values) -> ShapeCalls:
     fmt = get_format(cache_format)
     calls = tuple((la.fn, la.tail(lead, **values)) for la in launchers)
-    need = values["block_size"] * fmt.bytes_per_token(head_dim)
+    bytes_per_token = fmt.bytes_per_token(head_dim)
+    need = values["block_size"] * bytes_per_token
     if "q_in" in lead:
         plan = native_plan("one_call_qkv_plan", calls, need, fmt.needs_tensor_scale, "q_scale" in lead)
     else:
         plan = native_plan("one_call_kv_plan", calls, need, fmt.needs_tensor_scale, "norm_weight" in lead)
-    return ShapeCalls(calls, fmt.bytes_per_token(head_dim), fmt.needs_tensor_scale, plan)
+    return ShapeCalls(calls, bytes_per_token, fmt.needs_tensor_scale, plan)
 
 
 def native_plan(kind: str, calls, *args):

@@ -51,10 +51,9 @@ _library.define(
 )
 _library.define(KV_SCHEMA.replace("kv_rope_insert(", "kv_rope_insert_slow(").replace("-> ()", "-> int"))
 _python_cuda = torch.library.Library(NAMESPACE, "IMPL")  # the Python CUDA kernels, until C++ replaces them
-_pinned: list = []  # plans handed to the C++ kernels: kept alive for the process
-SLOW_CALLS: collections.Counter = (
-    collections.Counter()
-)  # C++ kernels' calls that took the Python path, per op
+_pinned: dict = {}  # plans handed to the C++ kernels, by address: kept alive for the process
+# the C++ kernels' calls that took the Python path, per op
+SLOW_CALLS: collections.Counter = collections.Counter()
 
 
 # The implementations take the schema's arguments in its order (the dispatcher passes them all).
@@ -66,14 +65,18 @@ def _qkv_cpu(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_siz
     reference.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=num, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout)
 
 
-def _qkv_cuda(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, numerics="", apply_q_norm=True, apply_q_rope=True, q_layout="head_major"):
-    ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=numerics or None, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout)
+def _qkv_run(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, numerics="", apply_q_norm=True, apply_q_rope=True, q_layout="head_major"):
+    """The one-call function on the schema's arguments; the shape's ShapeCalls."""
+    return ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=numerics or None, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout)
 
 
-def _qkv_slow(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, numerics="", apply_q_norm=True, apply_q_rope=True, q_layout="head_major"):
+def _qkv_cuda(*args, **kwargs):
+    _qkv_run(*args, **kwargs)
+
+
+def _qkv_slow(*args, **kwargs):
     SLOW_CALLS["qnorm_rope_kv_insert"] += 1
-    shape = ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=numerics or None, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout)
-    return _plan_address(shape)
+    return _plan_address(_qkv_run(*args, **kwargs))
 
 
 def _qkv_fake(q_in, *_):
@@ -86,14 +89,17 @@ def _kv_cpu(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp
     reference.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=num, compress_ratio=compress_ratio)
 
 
-def _kv_cuda(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, numerics="", compress_ratio=1):
-    ops.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=numerics or None, compress_ratio=compress_ratio)
+def _kv_run(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, numerics="", compress_ratio=1):
+    return ops.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=numerics or None, compress_ratio=compress_ratio)
 
 
-def _kv_slow(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, numerics="", compress_ratio=1):
+def _kv_cuda(*args, **kwargs):
+    _kv_run(*args, **kwargs)
+
+
+def _kv_slow(*args, **kwargs):
     SLOW_CALLS["kv_rope_insert"] += 1
-    shape = ops.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=numerics or None, compress_ratio=compress_ratio)
-    return _plan_address(shape)
+    return _plan_address(_kv_run(*args, **kwargs))
 
 
 def _kv_fake(kv, *_):
@@ -105,8 +111,7 @@ def _plan_address(shape) -> int:
     plan = getattr(shape, "native", None)
     if plan is None:
         return 0
-    _pinned.append(plan)
-    return plan.address()
+    return _pinned.setdefault(plan.address(), plan).address()
 
 
 for _name, _cpu, _cuda, _slow, _fake in (

@@ -201,30 +201,25 @@ def build(part: str, root: Path | None = None) -> Path:
             return entry / name
 
 
-_state: dict[str, object] = {}
-
-
-def _warn_once(part: str, why: str) -> None:
-    if f"warned:{part}" not in _state:
-        _state[f"warned:{part}"] = why
-        warnings.warn(
-            f"attn_prologue: the native {part} is unavailable ({why}); using the Python path",
-            NativeUnavailableWarning,
-            stacklevel=3,
-        )
+def _unavailable(why: str) -> None:
+    warnings.warn(
+        f"attn_prologue: the native fastpath is unavailable ({why}); using the Python path",
+        NativeUnavailableWarning,
+        stacklevel=3,
+    )
 
 
 @functools.lru_cache(maxsize=1)
 def fastpath():
-    """The fast-path module, initialised with torch's DLPack exchange API; None (with one warning)
-    when it is turned off, cannot be built here, or torch lacks the API."""
+    """The fast-path module, initialised with torch's DLPack exchange API; None (with one warning:
+    this runs once per process) when it is turned off, cannot be built here, or torch lacks the API."""
     if not enabled():
         return None
     import torch
 
     api = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
     if api is None:
-        _warn_once("fastpath", f"torch {torch.__version__} has no DLPack exchange API")
+        _unavailable(f"torch {torch.__version__} has no DLPack exchange API")
         return None
     try:
         path = build("fastpath")
@@ -234,7 +229,7 @@ def fastpath():
         loader.exec_module(module)
         module.init(api, torch.Tensor)
     except (AttnPrologueError, OSError, ImportError, RuntimeError) as exc:
-        _warn_once("fastpath", str(exc).splitlines()[0])
+        _unavailable(str(exc).splitlines()[0])
         return None
     sys.modules.setdefault(FASTPATH_MODULE, module)
     return module

@@ -122,6 +122,14 @@ static inline ap_range ap_span(uintptr_t start, int64_t bytes) {
   return r;
 }
 
+/* Clear TVM-FFI's raised error (the Python path that follows raises its own, naming the argument); 0. */
+static inline int ap_drop_error(void) {
+  TVMFFIObjectHandle err = NULL;
+  TVMFFIErrorMoveFromRaised(&err);
+  if (err != NULL) TVMFFIObjectDecRef(err);
+  return 0;
+}
+
 /* One kernel call: the caller's leading arguments in args[0, n_lead), the bucket's tail after them,
  * the stream set as the environment stream of the tensors' device for the call. 1: launched;
  * 0: the kernel refused its arguments (nothing launched; the error is dropped: the Python path that
@@ -131,24 +139,14 @@ static inline int ap_launch(const ap_call* call, TVMFFIAny* args, int n_lead, co
   memcpy(args + n_lead, call->tail, sizeof(TVMFFIAny) * (size_t)call->n_tail);
   int32_t dev_type = on->device.device_type, dev_id = on->device.device_id;
   TVMFFIStreamHandle previous = NULL;
-  if (TVMFFIEnvSetStream(dev_type, dev_id, stream, &previous) != 0) {
-    TVMFFIObjectHandle err = NULL;
-    TVMFFIErrorMoveFromRaised(&err);
-    if (err != NULL) TVMFFIObjectDecRef(err);
-    return 0;
-  }
+  if (TVMFFIEnvSetStream(dev_type, dev_id, stream, &previous) != 0) return ap_drop_error();
   TVMFFIAny result;
   result.type_index = kTVMFFINone;
   result.zero_padding = 0;
   result.v_int64 = 0;
   int rc = TVMFFIFunctionCall(call->fn, args, n_lead + call->n_tail, &result);
   TVMFFIEnvSetStream(dev_type, dev_id, previous, NULL);
-  if (rc != 0) {
-    TVMFFIObjectHandle err = NULL;
-    TVMFFIErrorMoveFromRaised(&err);
-    if (err != NULL) TVMFFIObjectDecRef(err);
-    return 0;
-  }
+  if (rc != 0) return ap_drop_error();
   if (result.type_index >= kTVMFFIStaticObjectBegin && result.v_obj != NULL) TVMFFIObjectDecRef(result.v_obj);
   return 1;
 }
