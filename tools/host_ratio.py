@@ -29,13 +29,40 @@ from attn_prologue.lab.provenance import provenance
 from attn_prologue.lab.targets import EAGER_TARGETS
 
 
-def loop_us(call, n: int) -> float:
+def loop_us(call, n: int, drains: list | None = None) -> float:
+    """Microseconds per call of n calls back to back. drains gets the microseconds the device still
+    ran after the host's last call returned: a few kernels' worth while the host is the bottleneck,
+    the whole launch queue's worth if the device is."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
         call()
+    t1 = time.perf_counter()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+    t2 = time.perf_counter()
+    if drains is not None:
+        drains.append((t2 - t1) * 1e6)
+    return (t2 - t0) / n * 1e6
+
+
+def graph_us(call, n: int = 100, replays: int = 20) -> float:
+    """Device microseconds per call: n calls captured in one CUDA graph, replayed (no host cost per
+    call; what a back-to-back loop cannot go below)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(n):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (n * replays) * 1e6
 
 
 def noop_kernel():
@@ -54,6 +81,24 @@ def noop_kernel():
     return tvm_ffi.load_module(str(out))["noop"]
 
 
+def empty_torch_op():
+    """The torch op's schema with an empty C++ CUDA kernel (namespace attn_prologue_probe): the
+    floor of torch's binding and dispatch for these 16 arguments."""
+    from torch.utils import cpp_extension
+
+    source = (
+        "#include <torch/library.h>\n#include <ATen/core/Tensor.h>\n"
+        "void empty(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,"
+        " const at::Tensor&, const at::Tensor&, double, int64_t, c10::string_view,"
+        " const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, c10::string_view, bool, bool,"
+        " c10::string_view) {}\n"
+        f"TORCH_LIBRARY(attn_prologue_probe, m) {{ m.def({json.dumps(torch_op.QKV_SCHEMA)}); }}\n"
+        'TORCH_LIBRARY_IMPL(attn_prologue_probe, CUDA, m) { m.impl("qnorm_rope_kv_insert", &empty); }\n'
+    )
+    cpp_extension.load_inline("attn_prologue_probe", source, is_python_module=False)
+    return torch.ops.attn_prologue_probe.qnorm_rope_kv_insert
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the numbers here")
@@ -61,6 +106,11 @@ def main() -> int:
     parser.add_argument("--loops", type=int, default=7)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--build-native", action="store_true", help="build the C++ torch-op kernels first")
+    parser.add_argument(
+        "--dispatch-floor",
+        action="store_true",
+        help="also time the torch op's schema with an empty C++ kernel",
+    )
     args = parser.parse_args()
     if args.build_native:
         torch_op.load_native_kernels(build=True)
@@ -107,13 +157,20 @@ def main() -> int:
         calls["native plan, no-op kernel (our C alone)"] = lambda: idle.qkv(
             q_in, kv, q_out, k_cache, slots, pos, cs, None, None
         )
+    if args.dispatch_floor:
+        empty_op = empty_torch_op()
+        calls["torch op schema, empty C++ kernel (dispatch floor)"] = lambda: empty_op(
+            q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs
+        )
     for call in calls.values():
         loop_us(call, 200)  # warm up: bind, load, first launch, plans
     runs = {name: [] for name in calls}
+    drains = {name: [] for name in calls}
     for i in range(args.loops):
         for name in calls if i % 2 == 0 else reversed(list(calls)):
-            runs[name].append(loop_us(calls[name], args.calls))
+            runs[name].append(loop_us(calls[name], args.calls, drains[name]))
     us = {name: statistics.median(v) for name, v in runs.items()}
+    device_us = {name: graph_us(calls[name]) for name in ("x.add_(1)", "bound op", "bound kv op")}
     base = us["x.add_(1)"]
     ratios = {name: v / base for name, v in us.items()}
     targets = {
@@ -143,6 +200,8 @@ def main() -> int:
         "ratio_to_add": ratios,
         "targets": targets,
         "breakdown_us": breakdown,
+        "device_us_per_call_in_a_graph": device_us,
+        "drain_us_after_the_last_call": {name: statistics.median(v) for name, v in drains.items()},
         "runs_us": runs,
     }
     print(f"native fast path: {out['native']}")
@@ -152,6 +211,10 @@ def main() -> int:
         print(f"{name:44} {v:7.2f} us  {v / base:5.2f}x x.add_(1){verdict}")
     for name, v in breakdown.items():
         print(f"  {name:70} {v:6.2f} us")
+    for name, v in device_us.items():
+        print(f"  device time per call in a graph, {name:40} {v:6.2f} us")
+    for name, v in out["drain_us_after_the_last_call"].items():
+        print(f"  device ran on after the loop's last call, {name:40} {v:8.1f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
