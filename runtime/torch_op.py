@@ -121,6 +121,8 @@ for _name, _cpu, _cuda, _slow, _fake in (
     _library.impl(_name, _cpu, "CPU")
     _python_cuda.impl(_name, _cuda, "CUDA")
     _library.impl(f"{_name}_slow", _slow, "CUDA")
+    for _op in (_name, f"{_name}_slow"):  # not differentiable: autograd passes through (no boxed fallback)
+        _library.impl(_op, torch.library.fallthrough_kernel, "Autograd")
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=_library)
 
 
@@ -135,6 +137,7 @@ def load_native_kernels(*, build: bool = False):
         _python_cuda._destroy()
         _python_cuda = None
         torch.ops.load_library(str(path))
+        native.use_tensor_reader(path)
     return path
 
 

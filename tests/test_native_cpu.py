@@ -137,18 +137,43 @@ def test_turned_off_the_python_path_serves():
     assert out.stdout.split() == ["True", "Python"]
 
 
-def test_the_torch_op_kernels_build_against_this_torch_and_take_the_cuda_key(tmp_path):
-    code = (
-        "import torch, attn_prologue as ap; from attn_prologue import torch_op; "
-        "p = torch_op.load_native_kernels(build=True); "
-        "has = torch._C._dispatch_has_kernel_for_dispatch_key; "
-        "print(p is not None, torch_op.cuda_kernels(), has('attn_prologue::qnorm_rope_kv_insert', 'CUDA'), "
-        "has('attn_prologue::kv_rope_insert', 'CUDA'))"
-    )
+READER_CHECK = """
+import json, torch, attn_prologue as ap
+from attn_prologue import native, torch_op
+p = torch_op.load_native_kernels(build=True)
+has = torch._C._dispatch_has_kernel_for_dispatch_key
+fp = native.fastpath()
+g = torch.Generator().manual_seed(0)
+x = torch.randn(6, 8, 16, generator=g).bfloat16()
+plain = [x, x[1:, 2:], x.transpose(0, 1), x[..., :8], torch.zeros(4, 100, dtype=torch.uint8)[1:],
+         torch.tensor([3, 5]), torch.tensor([3, 5], dtype=torch.int32), torch.rand(7, 64, generator=g),
+         torch.zeros(0, 4).half(), torch.zeros(3, 8).to(torch.float8_e4m3fn), torch.nn.Parameter(torch.rand(8))]
+odd = [torch._neg_view(torch.rand(8)), torch.rand(8).as_subclass(type("Sub", (torch.Tensor,), {}))]
+print(json.dumps({
+    "built": p is not None, "kernels": torch_op.cuda_kernels(),
+    "cuda_key": [has(f"attn_prologue::{op}", "CUDA") for op in ("qnorm_rope_kv_insert", "kv_rope_insert")],
+    "same": [fp.dltensor(t, True) == fp.dltensor(t, False) for t in plain],
+    "read_by_reader": [fp.dltensor(t, True) is not None for t in plain + odd],
+    "read_by_exchange": [fp.dltensor(t, False) is not None for t in odd],
+    "data_is_the_tensors": all(fp.dltensor(t, True)[0] == t.data_ptr() for t in plain if t.numel()),
+}))
+"""
+
+
+def test_the_torch_op_kernels_build_against_this_torch_take_the_cuda_key_and_read_tensors_in_place(tmp_path):
+    """Built and loaded in a child process (loading takes over the ops' CUDA key for the process).
+    The library's tensor reader, handed to the fast-path module, sees every plain tensor as torch's
+    DLPack exchange API does (data, device, dtype, shape, strides, offset); a lazily negated view or
+    a subclass is left to the exchange API (so to the same path as without the library)."""
     env = {**os.environ, "ATTN_PROLOGUE_CACHE": str(tmp_path / "kernels")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run([sys.executable, "-c", READER_CHECK], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["True", "C++", "True", "True"]
+    got = json.loads(out.stdout)
+    n = len(got["same"])
+    assert got["built"] and got["kernels"] == "C++" and got["cuda_key"] == [True, True]
+    assert got["same"] == [True] * n and got["data_is_the_tensors"]
+    assert got["read_by_reader"] == [True] * n + [False, False]
+    assert got["read_by_exchange"] == [True, True]
 
 
 def test_remembered_keys_never_cross_runtimes_or_shapes():

@@ -39,6 +39,21 @@ def test_schema_is_the_caller_owned_one():
     assert schema.endswith("-> ()")
 
 
+def test_autograd_passes_through_the_ops():
+    """The ops are not differentiable (their outputs are caller-owned buffers written in place): every
+    Autograd key is a fallthrough, so eager calls skip torch's boxed autograd fallback."""
+    for op in ("qnorm_rope_kv_insert", "kv_rope_insert", "qnorm_rope_kv_insert_slow", "kv_rope_insert_slow"):
+        table = torch._C._dispatch_dump_table(f"attn_prologue::{op}").splitlines()
+        for key in ("AutogradCPU", "AutogradCUDA"):
+            (row,) = [r for r in table if r.startswith(f"{key}:")]
+            assert "fallthrough" in row and "torch_op.py" in row, row
+    a, b = inputs(4), inputs(4)
+    a["q_in"].requires_grad_()
+    torch.ops.attn_prologue.qnorm_rope_kv_insert(*a.values(), 1e-6, BS)
+    reference.qnorm_rope_kv_insert(*b.values(), 1e-6, BS)
+    assert torch.equal(a["k_cache"], b["k_cache"])  # an input that requires grad changes nothing
+
+
 def test_cpu_op_equals_reference():
     a, b = inputs(), inputs()
     torch.ops.attn_prologue.qnorm_rope_kv_insert(*a.values(), 1e-6, BS)

@@ -19,6 +19,7 @@ compiler, Python, tvm_ffi (and torch) versions and the host, under the kernel ca
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import importlib.machinery
@@ -113,8 +114,9 @@ def _torch_ops_command(out: Path) -> list[str]:
     return [
         *_compiler("CXX", "c++"), "-O2", "-std=c++20", "-shared", "-fPIC",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        f"-I{tdir / 'include'}", f"-I{inc}", str(SOURCES / "torch_ops.cpp"),
-        f"-L{tdir / 'lib'}", "-lc10", "-ltorch_cpu", f"-L{lib}", "-ltvm_ffi",
+        f"-I{tdir / 'include'}", f"-I{tdir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-I{sysconfig.get_paths()['include']}", f"-I{inc}", str(SOURCES / "torch_ops.cpp"),
+        f"-L{tdir / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch_python", f"-L{lib}", "-ltvm_ffi",
         f"-Wl,-rpath,{lib}", f"-Wl,-rpath,{tdir / 'lib'}", "-o", str(out),
     ]  # fmt: skip
 
@@ -201,6 +203,19 @@ def build(part: str, root: Path | None = None) -> Path:
             return entry / name
 
 
+_tensor_reader = 0  # the loaded C++ torch-op library's ap_dltensor_from_pyobject (0: not loaded)
+
+
+def use_tensor_reader(library: Path) -> None:
+    """Hand the fast-path module the tensor reader of the C++ torch-op library just loaded from this
+    path (it reads a tensor in place; torch's DLPack exchange API serves without it)."""
+    global _tensor_reader
+    reader = ctypes.CDLL(str(library)).ap_dltensor_from_pyobject  # the handle torch.ops loaded
+    _tensor_reader = ctypes.cast(reader, ctypes.c_void_p).value or 0
+    if fastpath.cache_info().currsize and fastpath() is not None:
+        fastpath().set_unpacker(_tensor_reader)
+
+
 def _unavailable(why: str) -> None:
     warnings.warn(
         f"attn_prologue: the native fastpath is unavailable ({why}); using the Python path",
@@ -228,6 +243,7 @@ def fastpath():
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
         module.init(api, torch.Tensor)
+        module.set_unpacker(_tensor_reader)
     except (AttnPrologueError, OSError, ImportError, RuntimeError) as exc:
         _unavailable(str(exc).splitlines()[0])
         return None

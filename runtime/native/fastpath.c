@@ -12,6 +12,10 @@
 
 static const DLPackExchangeAPI* g_api = NULL;
 static PyTypeObject* g_tensor_type = NULL;
+/* A faster reader of torch tensors, once the C++ torch-op library is loaded (its
+ * ap_dltensor_from_pyobject: the tensor read in place); 0 from it: ask the exchange API. */
+typedef int (*ap_unpacker)(PyObject*, DLTensor*);
+static ap_unpacker g_unpack = NULL;
 
 typedef struct {
   PyObject_HEAD
@@ -22,6 +26,7 @@ typedef struct {
 
 static int as_dltensor(PyObject* o, DLTensor* out) {
   if (g_api == NULL || !PyObject_TypeCheck(o, g_tensor_type)) return 0;
+  if (g_unpack != NULL && g_unpack(o, out)) return 1;
   if (g_api->dltensor_from_py_object_no_sync((void*)o, out) != 0) {
     PyErr_Clear();
     return 0;
@@ -583,9 +588,52 @@ static PyObject* init(PyObject* mod, PyObject* args) {
 
 static PyObject* buckets(PyObject* mod, PyObject* unused) { return PyLong_FromLong(AP_BUCKETS); }
 
+/* set_unpacker(address): the C++ torch-op library's ap_dltensor_from_pyobject (0: none again). */
+static PyObject* set_unpacker(PyObject* mod, PyObject* address) {
+  void* p = PyLong_AsVoidPtr(address);
+  if (p == NULL && PyErr_Occurred()) return NULL;
+  g_unpack = (ap_unpacker)p;
+  Py_RETURN_NONE;
+}
+
+/* dltensor(t, via_unpacker) -> (data, device_type, device_id, (code, bits, lanes), shape, strides,
+ * byte_offset): what a plan sees of t, read by the unpacker or by the exchange API; None if unread. */
+static PyObject* dltensor(PyObject* mod, PyObject* args) {
+  PyObject* o;
+  int via_unpacker;
+  if (!PyArg_ParseTuple(args, "Op", &o, &via_unpacker)) return NULL;
+  DLTensor t;
+  ap_unpacker saved = g_unpack;
+  int ok;
+  if (via_unpacker) {
+    ok = g_unpack != NULL && PyObject_TypeCheck(o, g_tensor_type) && g_unpack(o, &t);
+  } else {
+    g_unpack = NULL;
+    ok = as_dltensor(o, &t);
+    g_unpack = saved;
+  }
+  if (!ok) Py_RETURN_NONE;
+  PyObject* shape = PyTuple_New(t.ndim);
+  PyObject* strides = PyTuple_New(t.ndim);
+  if (shape == NULL || strides == NULL) {
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    return NULL;
+  }
+  for (int i = 0; i < t.ndim; ++i) {
+    PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong(t.shape[i]));
+    PyTuple_SET_ITEM(strides, i, PyLong_FromLongLong(t.strides != NULL ? t.strides[i] : 0));
+  }
+  return Py_BuildValue("(KiiiiiNNK)", (unsigned long long)(uintptr_t)t.data, (int)t.device.device_type,
+                       (int)t.device.device_id, (int)t.dtype.code, (int)t.dtype.bits, (int)t.dtype.lanes, shape,
+                       strides, (unsigned long long)t.byte_offset);
+}
+
 static PyMethodDef module_methods[] = {
     {"init", init, METH_VARARGS, "init(torch.Tensor.__dlpack_c_exchange_api__, torch.Tensor)"},
     {"buckets", buckets, METH_NOARGS, "how many token-count buckets a plan takes"},
+    {"set_unpacker", set_unpacker, METH_O, "set_unpacker(address of ap_dltensor_from_pyobject, or 0)"},
+    {"dltensor", dltensor, METH_VARARGS, "dltensor(t, via_unpacker): what a plan sees of t"},
     {"qkv_key", (PyCFunction)(void (*)(void))qkv_key, METH_FASTCALL, "a one-call qkv shape's key"},
     {"kv_key", (PyCFunction)(void (*)(void))kv_key, METH_FASTCALL, "a one-call kv shape's key"},
     {"run_qkv", (PyCFunction)(void (*)(void))run_qkv, METH_FASTCALL, "ops.qnorm_rope_kv_insert's fast path"},

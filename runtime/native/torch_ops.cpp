@@ -7,10 +7,15 @@
 // Built against the torch that loads it (the C++ ABI is torch's); links nothing of CUDA: the
 // current stream comes through c10's device-guard interface. Registered for the CUDA key only: a
 // kernel at AutogradCUDA would run before the Python key, so torch.compile's fake tensors would reach
-// it (measured: no gain worth that on the H200 either).
+// it (torch_op.py registers the Autograd keys as fallthroughs instead: the ops are not differentiable).
+//
+// Also exported: `ap_dltensor_from_pyobject`, the fast-path module's tensor reader once this library
+// is loaded (torch's DLPack exchange API casts through pybind11 and takes the GIL per tensor: about
+// half of that module's per-call time, measured with perf on CPU tensors).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
 #include <mutex>
@@ -37,8 +42,10 @@ DLDataType dl_dtype(c10::ScalarType t) {
 }
 
 // The tensor as a DLTensor pointing at its own sizes and strides (valid while it lives: the call).
+// false for what the kernels cannot read as stored bits: no storage, another device, a lazy
+// negation or conjugation.
 bool fill(const at::Tensor& t, DLTensor* out) {
-  if (!t.defined() || !t.has_storage()) return false;
+  if (!t.defined() || !t.has_storage() || !(t.is_cuda() || t.is_cpu()) || t.is_neg() || t.is_conj()) return false;
   out->data = const_cast<void*>(t.const_data_ptr());
   out->device.device_type = t.is_cuda() ? kDLCUDA : kDLCPU;
   out->device.device_id = t.is_cuda() ? t.get_device() : 0;
@@ -55,13 +62,20 @@ void* current_stream(const at::Tensor& t) {
   return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle();
 }
 
-// Plans by key; a plan is owned (and kept alive for the process) by the Python side.
+// Plans by key; a plan is owned (and kept alive for the process) by the Python side. Each thread
+// remembers its last hit (a serving loop calls one shape per layer): compared bytewise, no lock.
 class PlanCache {
  public:
   const ap_plan* find(const std::string& key) {
+    thread_local const PlanCache* last_cache = nullptr;
+    thread_local std::string last_key;
+    thread_local const ap_plan* last_plan = nullptr;
+    if (last_cache == this && last_key == key) return last_plan;
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = plans_.find(key);
-    return it == plans_.end() ? nullptr : it->second;
+    if (it == plans_.end()) return nullptr;
+    last_cache = this, last_key = key, last_plan = it->second;  // a found key's plan never changes
+    return it->second;
   }
   void put(const std::string& key, int64_t address) {
     if (address == 0) return;
@@ -97,9 +111,9 @@ void qkv_cuda(const at::Tensor& q_in, const at::Tensor& kv, at::Tensor& q_out, a
                                         c10::SymInt, c10::string_view, const std::optional<at::Tensor>&,
                                         const std::optional<at::Tensor>&, c10::string_view, bool, bool,
                                         c10::string_view)>();
-  std::string key;
+  thread_local std::string key;  // reused: no allocation per call
+  key.clear();
   if (q_in.dim() == 3 && q_out.dim() == 3 && cos_sin.dim() == 2) {  // ops.py's one-call key
-    key.reserve(128);
     put_bytes(key, q_in.get_device());
     put_bytes(key, q_in.scalar_type());
     put_text(key, cache_format);
@@ -126,9 +140,10 @@ void qkv_cuda(const at::Tensor& q_in, const at::Tensor& kv, at::Tensor& q_out, a
         return;
     }
   }
+  const std::string miss = key;  // the thread's buffer may be reused if the slow path re-enters
   const int64_t address = slow.call(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, c10::SymInt(block_size),
                                     cache_format, kv_scale, q_scale, numerics, apply_q_norm, apply_q_rope, q_layout);
-  if (!key.empty()) plans.put(key, address);
+  if (!miss.empty()) plans.put(miss, address);
 }
 
 void kv_cuda(const at::Tensor& kv, at::Tensor& k_cache, const at::Tensor& slots, const at::Tensor& positions,
@@ -142,9 +157,9 @@ void kv_cuda(const at::Tensor& kv, at::Tensor& k_cache, const at::Tensor& slots,
                                         const at::Tensor&, c10::SymInt, c10::string_view,
                                         const std::optional<at::Tensor>&, double,
                                         const std::optional<at::Tensor>&, c10::string_view, int64_t)>();
-  std::string key;
+  thread_local std::string key;
+  key.clear();
   if (kv.dim() == 2 && cos_sin.dim() == 2) {
-    key.reserve(96);
     put_bytes(key, kv.get_device());
     put_bytes(key, kv.scalar_type());
     put_text(key, cache_format);
@@ -167,12 +182,20 @@ void kv_cuda(const at::Tensor& kv, at::Tensor& k_cache, const at::Tensor& slots,
         return;
     }
   }
+  const std::string miss = key;  // the thread's buffer may be reused if the slow path re-enters
   const int64_t address = slow.call(kv, k_cache, slots, positions, cos_sin, c10::SymInt(block_size), cache_format,
                                     norm_weight, eps, kv_scale, numerics, compress_ratio);
-  if (!key.empty()) plans.put(key, address);
+  if (!miss.empty()) plans.put(miss, address);
 }
 
 }  // namespace
+
+// fastpath.c's tensor reader (ap_unpacker): an exact torch.Tensor or Parameter read in place, no
+// reference taken (the caller holds the object for the call). 0: not read here (a subclass, or what
+// fill refuses); the module then asks torch's DLPack exchange API, as without this library.
+extern "C" __attribute__((visibility("default"))) int ap_dltensor_from_pyobject(PyObject* o, DLTensor* out) {
+  return THPVariable_CheckExact(o) && fill(THPVariable_Unpack(o), out);
+}
 
 TORCH_LIBRARY_IMPL(attn_prologue, CUDA, m) {
   m.impl("qnorm_rope_kv_insert", &qkv_cuda);
