@@ -166,7 +166,9 @@ def test_the_torch_op_kernels_build_against_this_torch_take_the_cuda_key_and_rea
     DLPack exchange API does (data, device, dtype, shape, strides, offset); a lazily negated view or
     a subclass is left to the exchange API (so to the same path as without the library)."""
     env = {**os.environ, "ATTN_PROLOGUE_CACHE": str(tmp_path / "kernels")}
-    out = subprocess.run([sys.executable, "-c", READER_CHECK], capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", READER_CHECK], capture_output=True, text=True, env=env, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout)
     n = len(got["same"])
