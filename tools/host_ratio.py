@@ -82,8 +82,9 @@ def noop_kernel():
 
 
 def empty_torch_op():
-    """The torch op's schema with an empty C++ CUDA kernel (namespace attn_prologue_probe): the
-    floor of torch's binding and dispatch for these 16 arguments."""
+    """The torch op's schema with an empty C++ CUDA kernel and, as torch_op.py registers them, the
+    Autograd keys as fallthroughs (namespace attn_prologue_probe): the floor of torch's binding and
+    dispatch of these 16 arguments, under any kernel."""
     from torch.utils import cpp_extension
 
     source = (
@@ -94,6 +95,8 @@ def empty_torch_op():
         " c10::string_view) {}\n"
         f"TORCH_LIBRARY(attn_prologue_probe, m) {{ m.def({json.dumps(torch_op.QKV_SCHEMA)}); }}\n"
         'TORCH_LIBRARY_IMPL(attn_prologue_probe, CUDA, m) { m.impl("qnorm_rope_kv_insert", &empty); }\n'
+        "TORCH_LIBRARY_IMPL(attn_prologue_probe, Autograd, m) {"
+        ' m.impl("qnorm_rope_kv_insert", torch::CppFunction::makeFallthrough()); }\n'
     )
     cpp_extension.load_inline("attn_prologue_probe", source, is_python_module=False)
     return torch.ops.attn_prologue_probe.qnorm_rope_kv_insert
@@ -133,6 +136,7 @@ def main() -> int:
     bound_kv = ap.bind_kv(head_dim=d, rope_dim=64, block_size=bs)
     x = torch.zeros(16, device="cuda")
     qkv_op, kv_op = torch.ops.attn_prologue.qnorm_rope_kv_insert, torch.ops.attn_prologue.kv_rope_insert
+    qkv_default = qkv_op.default  # the overload itself: no overload resolution per call
     shape = ops.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs)
     fn, tail = shape.calls[0]
     calls = {
@@ -140,6 +144,7 @@ def main() -> int:
         "one-call function": lambda: ap.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs),
         "bound op": lambda: bound(q_in, kv, k_cache, slots, pos, cs),
         "torch op": lambda: qkv_op(q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs),
+        "torch op, .default overload": lambda: qkv_default(q_in, kv, q_out, k_cache, slots, pos, cs, 1e-6, bs),
         "one-call kv function": lambda: ap.kv_rope_insert(kv, k_cache, slots, pos, cs, bs),
         "bound kv op": lambda: bound_kv(kv, k_cache, slots, pos, cs),
         "torch kv op": lambda: kv_op(kv, k_cache, slots, pos, cs, bs),
