@@ -7,9 +7,12 @@
   through torch's DLPack exchange API, so one build serves every torch that has that API. Built on
   first use (under a second) or by `attn-prologue build`.
 - `torch_ops` (torch_ops.cpp): the CUDA kernels of `torch.ops.attn_prologue.*` in C++, so the
-  dispatcher reaches compiled code. Built against the installed torch (its C++ ABI), by
-  `attn-prologue build` (about 10-30 s); loaded at import when built, else the ops' CUDA kernels
-  are Python functions (torch_op.py).
+  dispatcher reaches compiled code, and a tensor reader the fast-path module then uses instead of
+  the exchange API (a tensor read in place: the exchange API's pybind11 cast and GIL round trip per
+  tensor were about half of the module's per-call time). Built against the installed torch (its C++
+  ABI, libtorch_python and this Python's headers), by `attn-prologue build` (14 s on the H200
+  machine, 25 s on a 2-core VM); loaded at import when built, else the ops' CUDA kernels are Python
+  functions (torch_op.py) and the module reads tensors through the exchange API.
 
 Both live in the kernel cache directory (its `native/` sibling), keyed by their sources, the
 compiler, Python, tvm_ffi (and torch) versions and the host, under the kernel cache's trust rules
