@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,6 +177,84 @@ def test_the_torch_op_kernels_build_against_this_torch_take_the_cuda_key_and_rea
     assert got["same"] == [True] * n and got["data_is_the_tensors"]
     assert got["read_by_reader"] == [True] * n + [False, False]
     assert got["read_by_exchange"] == [True, True]
+
+
+BOXED_CHECK = """
+import json, torch
+from attn_prologue import ops, torch_op
+from attn_prologue.errors import InputError
+from tests.support.bad_inputs import valid, valid_kv
+from tests.support.stub_kernels import StubRuntime
+assert torch_op.load_native_kernels(build=True) is not None
+rt = StubRuntime(native=True)
+slow = []
+# the dispatcher hands a Python kernel the arguments up to the last one that is not its default
+def qkv_slow(q_in, kv, q_out, k_cache, slots, pos, cs, eps, bs, fmt="fp8_ds_mla", kv_scale=None, q_scale=None,
+             num="", norm=True, rope=True, layout="head_major"):
+    slow.append("qkv")
+    return torch_op._plan_address(ops.qnorm_rope_kv_insert(
+        q_in, kv, q_out, k_cache, slots, pos, cs, eps, bs, fmt, kv_scale=kv_scale, q_scale=q_scale,
+        numerics=num or None, apply_q_norm=norm, apply_q_rope=rope, q_layout=layout, runtime=rt))
+def kv_slow(kv, k_cache, slots, pos, cs, bs, fmt="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, num="",
+            ratio=1):
+    slow.append("kv")
+    return torch_op._plan_address(ops.kv_rope_insert(
+        kv, k_cache, slots, pos, cs, bs, fmt, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale,
+        numerics=num or None, compress_ratio=ratio, runtime=rt))
+lib = torch.library.Library("attn_prologue", "IMPL")
+lib.impl("qnorm_rope_kv_insert_slow", qkv_slow, "CPU")
+lib.impl("kv_rope_insert_slow", kv_slow, "CPU")
+cuda = torch._C.DispatchKeySet("CUDA")  # the C++ kernel itself, on CPU tensors
+def tensors(call):
+    return [x for x in call if isinstance(x, tuple)]
+def run(op, args, bad):
+    first = len(rt.kernel.args)
+    rets = [op.redispatch(cuda, *args) for _ in range(3)]
+    calls = rt.kernel.calls
+    try:
+        op.redispatch(cuda, *bad)
+        refused = "nothing raised"
+    except InputError as exc:
+        refused = type(exc).__name__
+    got = rt.kernel.args[first:]
+    return dict(slow=list(slow), returns=[r is None for r in rets], kernel_calls=calls - first,
+                same_args=[tensors(c) == tensors(got[0]) for c in got], refused=refused,
+                launched_after_refusal=rt.kernel.calls - calls)
+a = valid("cpu")
+names = ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache", "eps", "block_size",
+         "cache_format")
+qkv = [a[k] for k in names]
+bad = list(qkv)
+bad[3] = a["q_out"].view(torch.uint8).view(-1)[: a["k_cache"].numel()].view(a["k_cache"].shape)  # k_cache in q_out
+out = {"qkv": run(torch.ops.attn_prologue.qnorm_rope_kv_insert.default, qkv, bad)}
+slow.clear()
+k = valid_kv("cpu")
+kv = [k[n] for n in ("kv", "k_cache", "slot_mapping", "positions", "cos_sin_cache", "block_size", "cache_format",
+                     "norm_weight", "eps")]
+bad = list(kv)
+bad[0] = k["k_cache"].view(-1)[: k["kv"].numel() * 2].view(torch.bfloat16).view(k["kv"].shape)  # kv in k_cache
+out["kv"] = run(torch.ops.attn_prologue.kv_rope_insert.default, kv, bad)
+print(json.dumps(out))
+"""
+
+
+def test_the_torch_op_kernels_take_their_arguments_off_the_dispatchers_stack(tmp_path):
+    """The C++ kernels are boxed: they read the 16 (12) arguments off the stack torch.ops built. Called
+    directly at the CUDA key on CPU tensors (a stub TVM-FFI kernel behind the plans): the first call
+    takes the slow path on the same stack and returns None, later calls run the plan it handed back,
+    passing the kernel exactly the tensors the Python path passed, and a call the plan refuses (k_cache
+    inside q_out, kv inside k_cache) goes to the slow path, whose validation raises, launching nothing."""
+    env = {**os.environ, "ATTN_PROLOGUE_CACHE": str(tmp_path / "kernels")}
+    out = subprocess.run([sys.executable, "-c", BOXED_CHECK], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).parent.parent, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    for op in ("qkv", "kv"):
+        r = got[op]
+        assert r["returns"] == [True] * 3 and r["kernel_calls"] == 3, r
+        assert r["slow"] == [op, op], r  # the first call, then the refused one
+        assert r["same_args"] == [True] * 3, r
+        assert r["refused"] == "InputError" and r["launched_after_refusal"] == 0, r
 
 
 def test_remembered_keys_never_cross_runtimes_or_shapes():
