@@ -10,8 +10,8 @@
   dispatcher reaches compiled code, and a tensor reader the fast-path module then uses instead of
   the exchange API (a tensor read in place: the exchange API's pybind11 cast and GIL round trip per
   tensor were about half of the module's per-call time). Built against the installed torch (its C++
-  ABI, libtorch_python and this Python's headers), by `attn-prologue build` (14 s on the H200
-  machine, 25 s on a 2-core VM); loaded at import when built, else the ops' CUDA kernels are Python
+  ABI, libtorch_python and this Python's headers), by `attn-prologue build` (9-14 s on the H200
+  machines, 25 s on a 2-core VM); loaded at import when built, else the ops' CUDA kernels are Python
   functions (torch_op.py) and the module reads tensors through the exchange API.
 
 Both live in the kernel cache directory (its `native/` sibling), keyed by their sources, the
