@@ -9,8 +9,8 @@
 - `torch_ops` (torch_ops.cpp): the CUDA kernels of `torch.ops.attn_prologue.*` in C++, so the
   dispatcher reaches compiled code, and a tensor reader the fast-path module then uses instead of
   the exchange API (a tensor read in place: the exchange API's pybind11 cast and GIL round trip per
-  tensor were about half of the module's per-call time). Built against the installed torch (its C++
-  ABI, libtorch_python and this Python's headers), by `attn-prologue build` (9-14 s on the H200
+  tensor make a no-op plan call 2.2-2.6x as long, tools/native_cpu_cost.py). Built against the
+  installed torch (its C++ ABI, libtorch_python and this Python's headers), by `attn-prologue build` (9-14 s on the H200
   machines, 25 s on a 2-core VM); loaded at import when built, else the ops' CUDA kernels are Python
   functions (torch_op.py) and the module reads tensors through the exchange API.
 
@@ -215,8 +215,9 @@ def use_tensor_reader(library: Path) -> None:
     global _tensor_reader
     reader = ctypes.CDLL(str(library)).ap_dltensor_from_pyobject  # the handle torch.ops loaded
     _tensor_reader = ctypes.cast(reader, ctypes.c_void_p).value or 0
-    if fastpath.cache_info().currsize and fastpath() is not None:
-        fastpath().set_unpacker(_tensor_reader)
+    module = fastpath() if fastpath.cache_info().currsize else None  # not yet made: it takes the reader then
+    if module is not None:
+        module.set_unpacker(_tensor_reader)
 
 
 def _unavailable(why: str) -> None:

@@ -9,11 +9,12 @@
 // kernel at AutogradCUDA would run before the Python key, so torch.compile's fake tensors would reach
 // it (torch_op.py registers the Autograd keys as fallthroughs instead: the ops are not differentiable).
 // Boxed kernels: the arguments are read off the dispatcher's stack as torch.ops built it, not unboxed
-// into 16 C++ parameters (0.2 us less per call over an empty kernel on the 2-core CPU VM).
+// into 16 C++ parameters (over an empty kernel on the 2-core CPU VM, tools/native_cpu_cost.py: 0-0.3 us
+// less per call, within that machine's noise).
 //
 // Also exported: `ap_dltensor_from_pyobject`, the fast-path module's tensor reader once this library
-// is loaded (torch's DLPack exchange API casts through pybind11 and takes the GIL per tensor: about
-// half of that module's per-call time, measured with perf on CPU tensors).
+// is loaded (torch's DLPack exchange API casts through pybind11 and takes the GIL per tensor: a no-op
+// plan call on CPU tensors takes 2.2-2.6x as long through it, tools/native_cpu_cost.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
