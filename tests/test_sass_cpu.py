@@ -4,6 +4,7 @@ with the test extra (the triton wheel ships one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tempfile
 
@@ -110,3 +111,20 @@ def test_copy_kernels_compile_to_their_vectors_per_thread(target):
         assert len(re.findall(r"ld\.global\.nc\.v4", ptx)) == vectors
         assert len(re.findall(r"st\.global\.v4", ptx)) == vectors
         assert not re.search(r"\b(ld|st)\.local\b", ptx)
+
+
+@pytest.mark.parametrize("variant", [f"{NVFP4}_sm90", f"{NVFP4}_sm120", "kv_d128r64_mxfp4_bf16_sm90"])
+def test_lean_quant_counts_fewer_instructions(cache, variant):
+    """The lean_quant knob (the same bytes: tests/test_lean_quant_cpu.py) drops every IEEE division of a
+    row (x / s per value, 1 / s and amax / fp_max per group) and, in the portable module, the E2M1
+    rounding's selects: at least 4 instructions per value fewer for NVFP4, 10% for MXFP4."""
+    v = parse_name(variant)
+    default, lean = v.arch.default_config, dataclasses.replace(v.arch.default_config, lean_quant=True)
+    off = sass.count(variant, default, v.arch.targets[0])
+    on = sass.count(variant, lean, v.arch.targets[0])
+    assert off["ieee_divisions"] > 0 and on["ieee_divisions"] == 0
+    assert on["classes"]["memory"] == off["classes"]["memory"]
+    if v.cache_format.startswith("nvfp4"):
+        assert on["per_value"] <= off["per_value"] - 4
+    else:
+        assert on["instructions"] <= 0.9 * off["instructions"]
