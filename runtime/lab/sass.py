@@ -39,6 +39,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from .. import dispatch
 from ..errors import AttnPrologueError
 from ..jit import compiler
 from ..jit.kernel_cache import KernelCache, KernelKey
@@ -382,8 +383,6 @@ def of_shape(shape, config: LaunchConfig | None = None) -> dict:
     runs on this GPU, with the config the dispatcher picks for its token count (or `config`): KV
     rows, and Q rows for the qkv op. Without nvdisasm, or for SASS this module cannot read, the
     reason instead (a count is never guessed)."""
-    from .. import dispatch
-
     rt = dispatch.default_runtime()
     v = rt.variant(shape.request)
     qkv = shape.op == "qkv"
