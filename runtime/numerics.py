@@ -181,3 +181,11 @@ def quotient_by_reciprocal(x: torch.Tensor, s: torch.Tensor, r: torch.Tensor) ->
     """q = x * r, then q - (q * s - x) * r in fused multiply-adds (kernel_lib.quotient_by_reciprocal)."""
     q = x * r
     return fma_f32(-fma_f32(q, s, -x), r, q)
+
+
+def quotient_by_constant(amax: torch.Tensor, c: float) -> torch.Tensor:
+    """quotient_by_reciprocal by fl(1 / c), then min with 2 x the product, NaN-ignoring like min.f32:
+    +Inf for +Inf, whose correction is NaN (kernel_lib.quotient_by_constant)."""
+    r = torch.full_like(amax, 1.0 / c)
+    q0 = amax * r
+    return torch.fmin(quotient_by_reciprocal(amax, torch.full_like(amax, c), r), q0 * 2.0)

@@ -105,3 +105,14 @@ def test_quotient_codes_equal_the_reference_for_every_scale_and_exponent():
         want = nx.e2m1_codes(x / s)
         got = nx.e2m1_codes(nx.quotient_by_reciprocal(xc, s.expand_as(x), (1.0 / s).expand_as(x)))
         assert torch.equal(got, want), float(s)
+
+
+@pytest.mark.parametrize("c", [6.0, 448.0])
+def test_scale_quotient_is_the_ieee_quotient_from_tiny_to_infinite(c):
+    """amax / c for every significand at the exponents the formats' floors leave (quotients >= 2^-126),
+    the largest float32 and +Inf; below 2^-126 (amax under c * 2^-126) every format floors the quotient
+    at 1e-4 or 2^-126, or rounds its e4m3 to zero, so any tiny result gives the same byte."""
+    x = patterns(127 << 23, 1 << 23)
+    amax = torch.cat([x * 2.0**k for k in (-117, -40, -13, 0, 9, 60, 126)])
+    amax = torch.cat((amax, torch.tensor([0.0, 3.4028234663852886e38, float("inf")])))
+    assert torch.equal(nx.quotient_by_constant(amax, c).view(torch.int32), (amax / c).view(torch.int32))
