@@ -24,6 +24,11 @@ class LaunchConfig:
     # int32 slot ids: the compiled signature takes slot_mapping as int32 (the module is the same; the
     # runtime sets this for callers with int32 ids, so tuned configs serve both widths)
     slots32: bool = False
+    # the leaner exact quantization arithmetic (device/kernel_lib.py, the lean section): E2M1 rounding by
+    # a magic add, NVFP4 x / s and 1 / s and the scale quotient amax / fp_max by a reciprocal and one
+    # exact correction. The same bytes (proven on the CPU: tests/test_lean_quant_cpu.py); off until a GPU
+    # run has checked it against the reference (tests/gpu: test_launch_configs_match_reference)
+    lean_quant: bool = False
 
     def __post_init__(self):
         if self.warps_per_cta not in (1, 2, 4, 8, 16, 32):
@@ -54,12 +59,14 @@ class LaunchConfig:
             k += f"_m{self.min_ctas_per_sm}"
         if self.slots32:
             k += "_s32"
+        if self.lean_quant:
+            k += "_lq"
         return k
 
     @classmethod
     def from_key(cls, key: str) -> LaunchConfig:
         m = re.fullmatch(
-            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?", key
+            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?", key
         )
         if not m:
             raise ValueError(f"not a launch-config key: {key!r}")
@@ -73,6 +80,7 @@ class LaunchConfig:
             bool(m.group(7)),
             int(m.group(8) or 0),
             bool(m.group(9)),
+            bool(m.group(10)),
         )
 
     def as_dict(self) -> dict:
@@ -86,7 +94,7 @@ class LaunchConfig:
 def all_configs() -> list[LaunchConfig]:
     """Every config the template supports (the tuner prunes from these; slot width is the caller's)."""
     return [
-        LaunchConfig(w, u, pdl, nc, c, spread, cs, m)
+        LaunchConfig(w, u, pdl, nc, c, spread, cs, m, lean_quant=lean)
         for w in (1, 2, 4, 8, 16, 32)
         for u in (1, 2, 4)
         for pdl in (True, False)
@@ -95,4 +103,5 @@ def all_configs() -> list[LaunchConfig]:
         for spread in (False, True)
         for cs in (False, True)
         for m in (0, min(32, 48 // w))  # a register cap for 48 resident warps
+        for lean in (False, True)
     ]

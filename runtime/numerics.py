@@ -153,3 +153,39 @@ def ue8m0_values(b: torch.Tensor) -> torch.Tensor:
     e = b.to(torch.int32) - 127
     v = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
     return torch.where(b == 255, torch.full_like(v, float("nan")), v)
+
+
+# ---- the kernels' leaner exact arithmetic (LaunchConfig.lean_quant), as the same rules ---------------
+# Plain-torch twins of attn_prologue.device.kernel_lib's lean functions, operation for operation. Each is
+# bit-identical to the rule above it replaces on the inputs stated (tests/test_lean_quant_cpu.py: every
+# float32 for the E2M1 rounding; every e4m3 scale and every float32 significand for the divisions).
+def e2m1_codes_by_magic(y: torch.Tensor) -> torch.Tensor:
+    """e2m1_codes by the exponent-dependent magic add: c = max(min(y, 6), -6) with NaN -> +6; for
+    2^k = max(2^floor(log2|c|), 1), |c| + 2^(22+k) rounds at the E2M1 spacing 2^(k-1) (nearest even),
+    and code = bits(sum) - bits(2^(22+k)) + 2k; the sign bit of c."""
+    six = torch.full_like(y, E2M1_MAX)
+    c = torch.where(torch.isnan(y), six, y.clamp(-E2M1_MAX, E2M1_MAX))
+    b = c.view(torch.int32)
+    p = torch.clamp_min(b & 0x7F800000, 0x3F800000)  # bits of 2^k
+    s = c.abs() + p.view(torch.float32) * 2.0**22  # the product is exact: one rounding, as the fma
+    code = s.view(torch.int32) + (p >> 22) - p - (0x0B000000 + 254)
+    return (code | ((b >> 28) & 8)).to(torch.uint8)
+
+
+def reciprocal_newton(s: torch.Tensor, r0: torch.Tensor) -> torch.Tensor:
+    """One Newton step r0 + r0 * (1 - s * r0) with fused multiply-adds (kernel_lib.reciprocal_of_e4m3)."""
+    return fma_f32(r0, fma_f32(-s, r0, torch.ones_like(s)), r0)
+
+
+def quotient_by_reciprocal(x: torch.Tensor, s: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """q = x * r, then q - (q * s - x) * r in fused multiply-adds (kernel_lib.quotient_by_reciprocal)."""
+    q = x * r
+    return fma_f32(-fma_f32(q, s, -x), r, q)
+
+
+def quotient_by_constant(amax: torch.Tensor, c: float) -> torch.Tensor:
+    """quotient_by_reciprocal by fl(1 / c), then min with 2 x the product, NaN-ignoring like min.f32:
+    +Inf for +Inf, whose correction is NaN (kernel_lib.quotient_by_constant)."""
+    r = torch.full_like(amax, 1.0 / c)
+    q0 = amax * r
+    return torch.fmin(quotient_by_reciprocal(amax, torch.full_like(amax, c), r), q0 * 2.0)

@@ -376,6 +376,10 @@ def test_every_launch_knob_compiles_on_every_arch(tmp_path):
             )
             ptxs[key] = ptx
         assert len(set(ptxs.values())) == len(CONFIG_KEYS)  # every knob changes the code
+        # lean_quant: the scale quotient amax / 448 by a reciprocal and a correction, not div.rn.f32
+        divisions = {key: ptx.count("div.rn.f32") for key, ptx in ptxs.items()}
+        lean = [key for key in CONFIG_KEYS if LaunchConfig.from_key(key).lean_quant]
+        assert lean and all(divisions[k] < divisions[CONFIG_KEYS[0]] for k in lean), divisions
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t not in DEFAULT_BUILD_TARGETS])

@@ -255,15 +255,22 @@ class Kernel:
                 o = slot - block * Int64(args.block_size)
                 data = page + o * DATA_BYTES
                 scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
-                # per group: s = e4m3(clamp(amax * Float32(1.0 / ELEMENT_MAX), SCALE_MIN, SCALE_MAX)), codes e2m1(x / s)
+                # per group: s = e4m3(clamp(amax * fl(1 / ELEMENT_MAX), SCALE_MIN, SCALE_MAX)), codes e2m1(x / s)
                 for s in range_constexpr(SLOTS):
                     j = s * LANES_PER_ROW + sub
                     amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
                     quot = amax * Float32(1.0 / ELEMENT_MAX)
                     quot = kl.fmin(kl.fmax(quot, Float32(SCALE_MIN)), Float32(SCALE_MAX))
                     byte, scale = kl.e4m3_round(quot)
-                    y = xr[s] / scale  # IEEE division: an exact tie stays a tie
-                    packed = e2m1_pack8(y)
+                    if const_expr(self.cfg.lean_quant):
+                        y = kl.quotients_by_e4m3(xr[s], scale)  # the IEEE quotients of x clamped to +-6s
+                    else:
+                        y = xr[s] / scale  # IEEE division: an exact tie stays a tie
+
+                    if const_expr(self.cfg.lean_quant):  # the magic-add rounding (y is in [-6, 6] already)
+                        packed = kl.e2m1_pack8_by_magic(y, saturate=False)
+                    else:
+                        packed = e2m1_pack8(y)
                     if (args.numerics & FP4_POSITIVE_ZERO) != 0:
                         packed = kl.e2m1_positive_zeros(packed)
                     if ok:

@@ -342,10 +342,11 @@ class Kernel:
                 for s in range_constexpr(SLOTS):
                     j = s * LANES_PER_ROW + sub
                     amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
-                    quot = kl.fmax(amax, Float32(AMAX_FLOOR)) / Float32(ELEMENT_MAX)
+                    quot = kl.amax_quotient(kl.fmax(amax, Float32(AMAX_FLOOR)), ELEMENT_MAX, self.cfg.lean_quant)
                     byte = ue8m0_byte(quot)
                     e = Int32(byte) - 127
                     y = xr[s] * kl.scale_multiplier(e)
+
                     packed = e2m1_pack8(y)
                     if (args.numerics & FP4_POSITIVE_ZERO) != 0:
                         packed = kl.e2m1_positive_zeros(packed)

@@ -327,9 +327,9 @@ class Kernel:
                 for s in range_constexpr(SLOTS):
                     j = s * LANES_PER_ROW + sub
                     amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
-                    quot = kl.fmax(amax, Float32(AMAX_FLOOR)) / Float32(ELEMENT_MAX)
+                    quot = kl.amax_quotient(kl.fmax(amax, Float32(AMAX_FLOOR)), ELEMENT_MAX, self.cfg.lean_quant)
                     if (args.numerics & SCALE_FLOOR) != 0:
-                        quot = kl.fmax(amax / Float32(ELEMENT_MAX), Float32(AMAX_FLOOR))
+                        quot = kl.fmax(kl.amax_quotient(amax, ELEMENT_MAX, self.cfg.lean_quant), Float32(AMAX_FLOOR))
                     byte = ue8m0_byte(quot)
                     e = Int32(byte) - 127
                     y = xr[s] * kl.scale_multiplier(e)

@@ -339,14 +339,18 @@ class Kernel:
                 o = slot - block * Int64(args.block_size)
                 data = page + o * DATA_BYTES
                 scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
-                # per group: s = e4m3(amax / Float32(ELEMENT_MAX)), codes e2m1(x * fl(1 / s), 0 where s is 0)
+                # per group: s = e4m3(amax / ELEMENT_MAX), codes e2m1(x * fl(1 / s), 0 where s is 0)
                 for s in range_constexpr(SLOTS):
                     j = s * LANES_PER_ROW + sub
                     amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
-                    quot = amax / Float32(ELEMENT_MAX)
+                    quot = kl.amax_quotient(amax, ELEMENT_MAX, self.cfg.lean_quant)
                     byte, scale = kl.e4m3_round(quot)
-                    y = xr[s] * cutlass.select_(scale == Float32(0.0), Float32(0.0), Float32(1.0) / scale)
-                    packed = e2m1_pack8(y)
+                    y = xr[s] * cutlass.select_(scale == Float32(0.0), Float32(0.0), kl.e4m3_reciprocal(scale, self.cfg.lean_quant))
+
+                    if const_expr(self.cfg.lean_quant):  # the magic-add rounding (saturating)
+                        packed = kl.e2m1_pack8_by_magic(y, saturate=True)
+                    else:
+                        packed = e2m1_pack8(y)
                     if (args.numerics & FP4_POSITIVE_ZERO) != 0:
                         packed = kl.e2m1_positive_zeros(packed)
                     if ok:

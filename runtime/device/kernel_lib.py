@@ -256,3 +256,81 @@ def store_u32(addr: Int64, byte_offset: Int64, value: Uint32):
 
 def store_f32(addr: Int64, byte_offset: Int64, value: Float32):
     cute.make_tensor(gmem_ptr(addr, byte_offset, Float32, 4), cute.make_layout(1))[0] = value
+
+
+# ---- leaner exact quantization arithmetic (LaunchConfig.lean_quant) ------------------------------------
+# Each gives the bits of the rule it replaces for every input the formats can produce; the proofs run on
+# the CPU (tests/test_lean_quant_cpu.py, exhaustive where the space allows) against the reference.
+def mul_rn(a: Float32, b: Float32) -> Float32:
+    """a * b rounded once (mul.rn: never contracted into a neighbouring add)."""
+    return cute.arch.inline_ptx(
+        "mul.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b]
+    )
+
+
+def fma_rn(a: Float32, b: Float32, c: Float32) -> Float32:
+    return cute.arch.inline_ptx(
+        "fma.rn.f32 {$w0}, {$r0}, {$r1}, {$r2};", write_only_types=[Float32], read_only_args=[a, b, c]
+    )
+
+
+def reciprocal_of_e4m3(s: Float32) -> Float32:
+    """RN(1 / s) for a positive finite e4m3 value s (an NVFP4 group scale): rcp.approx (within 1 ulp,
+    PTX ISA) and one Newton step, exact for every such s and every start within 4 ulps."""
+    r = cute.arch.inline_ptx("rcp.approx.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[s])
+    return fma_rn(r, fma_rn(-s, r, Float32(1.0)), r)
+
+
+def quotient_by_reciprocal(x: Float32, s: Float32, r: Float32) -> Float32:
+    """RN(x / s) from r = RN(1 / s), for s with at most 4 significant bits (an e4m3 value; 6; 448) and
+    finite x with x / s finite: the product's residual is exact in an fma, one correction rounds right
+    (residual taken as q*s - x so that x = -0 keeps its sign)."""
+    q = mul_rn(x, r)
+    return fma_rn(-fma_rn(q, s, -x), r, q)
+
+
+def quotient_by_constant(amax: Float32, c: float) -> Float32:
+    """RN(amax / c) for amax >= 0 (+Inf included) and c in {6, 448}: quotient_by_reciprocal, and +Inf
+    for +Inf (the correction of an infinite product is NaN; min.f32 returns its other operand)."""
+    q0 = mul_rn(amax, Float32(1.0 / c))
+    return fmin(fma_rn(-fma_rn(q0, Float32(c), -amax), Float32(1.0 / c), q0), q0 * Float32(2.0))
+
+
+def e2m1_pack8_by_magic(y, saturate: bool = True) -> Uint32:
+    """8 float32 -> one word of 8 e2m1 codes (element 2j in the low nibble of byte j), the rule of
+    numerics.e2m1_codes: round to nearest even, saturate to +-6, the sign of y, NaN -> +6 (0x7).
+    c = max(min(y, 6), -6) (NaN -> +6); with 2^k = max(2^floor(log2|c|), 1), |c| + 2^(22+k) rounds |c|
+    at the E2M1 spacing 2^(k-1) of its binade by the FPU's own nearest-even, whose low bits count the
+    steps: code = steps + 2k. Constants of the 8 codes are summed once (no nibble carries: 0 <= code <= 7).
+    saturate=False: y is known to be in [-6, 6] and not NaN (quotients_by_e4m3), so c = y."""
+    codes = Uint32(0)
+    signs = Uint32(0)
+    bias = 0
+    for i in range(8):
+        c = fmax(fmin(y[i], Float32(6.0)), Float32(-6.0)) if saturate else y[i]
+        b = f32_bits(c)
+        p = cutlass.max(b & Uint32(0x7F800000), Uint32(0x3F800000))  # bits of 2^k
+        s = fma_rn(f32_from_bits(p), Float32(4194304.0), cute.math.absf(c))  # |c| + 2^(22+k), one rounding
+        codes = codes + ((f32_bits(s) + (p >> Uint32(22)) - p) << Uint32(4 * i))  # code + 0x0B000000 + 254
+        signs = signs | ((b >> Uint32(28 - 4 * i)) & Uint32(8 << (4 * i)))
+        bias += (0x0B000000 + 254) << (4 * i)
+    return (codes - Uint32(bias % 2**32)) | signs
+
+
+def amax_quotient(amax: Float32, c: float, lean: bool) -> Float32:
+    """RN(amax / c), the scale quotient of the formats that divide: an IEEE division, or with `lean`
+    quotient_by_constant (the same bits)."""
+    return quotient_by_constant(amax, c) if lean else amax / Float32(c)
+
+
+def e4m3_reciprocal(s: Float32, lean: bool) -> Float32:
+    """RN(1 / s) of a positive e4m3 scale: an IEEE division, or with `lean` reciprocal_of_e4m3."""
+    return reciprocal_of_e4m3(s) if lean else Float32(1.0) / s
+
+
+def quotients_by_e4m3(x, s: Float32) -> list:
+    """RN(clamp(x_i, -6s, 6s) / s) for the VEC values of x and a positive e4m3 scale s: the E2M1 codes
+    of x / s (a value beyond +-6s codes +-6 either way, NaN +6), each quotient in [-6, 6]."""
+    r = reciprocal_of_e4m3(s)
+    limit = s * Float32(6.0)  # exact: 6 times an e4m3 value
+    return [quotient_by_reciprocal(fmax(fmin(x[i], limit), -limit), s, r) for i in range(VEC)]

@@ -26,6 +26,7 @@ from .. import (
 )
 from ..formats import get_format
 from ..variants import IoDtype, Op, QLayout, QOut, Request
+from . import sass
 from .timing import copy_time_us, graph_time_us, host_time_us, l2_bytes
 
 
@@ -93,6 +94,7 @@ class Result:
     eager: dict | None = None
     compiled: dict | None = None
     extra: dict = field(default_factory=dict)
+    sass: dict | None = None  # instructions per value of the module (lab/sass.py of_shape)
 
     @property
     def gbs(self) -> float:
@@ -108,8 +110,11 @@ class Result:
             "us": round(self.op["median_us"], 2),
             "GB/s": round(self.gbs, 1),
             "copy us": round(self.copy["median_us"], 2),
+            "copy": self.copy.get("kind", ""),
             "of copy": f"{self.copy['median_us'] / self.op['median_us']:.1%}",
         }
+        if self.sass:
+            r["instr/value"] = sass.summary(self.sass)
         if self.eager:
             r["vs eager"] = f"{self.eager['median_us'] / self.op['median_us']:.1f}x"
         if self.compiled:
@@ -236,12 +241,17 @@ def _compiled(fn):
     return _COMPILED[fn]
 
 
-def run_shape(shape: Shape, *, baselines: bool = True, replays: int = 30, config=None) -> Result:
+def run_shape(
+    shape: Shape, *, baselines: bool = True, replays: int = 30, config=None, count_sass: bool = False
+) -> Result:
+    """One shape's timings against the copy; count_sass: also the instructions per value of its module."""
     nsets = sets_for_cold_l2(shape)
     sets = input_sets(shape, nsets)
     op = graph_time_us(op_fns(shape, sets, config=config), replays=replays, calls_per_graph=max(nsets, 20))
     copy = copy_time_us(shape.min_bytes(), nsets, replays, max(nsets, 20))
     res = Result(asdict(shape), shape.min_bytes(), op, copy)
+    if count_sass:
+        res.sass = sass.of_shape(shape, config)
     if baselines:
         few = sets[: min(2, len(sets))]
         for impl in ("eager", "compiled"):
@@ -361,6 +371,10 @@ def document(results: list[Result], meta: dict, provenance: dict) -> dict:
 def save(doc: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
+
+
+# the shape sets whose rows carry the instructions per value of their module (issue 26: a regression shows)
+SASS_SHAPE_SETS = ("records", "modes", "all")
 
 
 def default_shapes(which: str = "targets") -> list[Shape]:

@@ -27,12 +27,19 @@ def run_bench(args) -> int:
     host = bench.host_overhead_us(bench.Shape(n=1))
     results = []
     for i, shape in enumerate(shapes):
-        r = bench.run_shape(shape, baselines=not args.no_baselines, replays=args.replays)
+        r = bench.run_shape(
+            shape,
+            baselines=not args.no_baselines,
+            replays=args.replays,
+            count_sass=args.shapes in bench.SASS_SHAPE_SETS,
+        )
         results.append(r)
         if args.json:  # written after every shape: a run cut short keeps what it measured
             bench.save(bench.document(results, {"partial": True}, origin), args.json)
+        instr = f", {bench.sass.summary(r.sass)} instructions per value" if r.sass else ""
         print(
-            f"[{i + 1}/{len(shapes)}] {shape.label}: {r.op['median_us']:.2f} us, {r.gbs:.0f} GB/s, {r.copy['median_us'] / r.op['median_us']:.1%} of copy",
+            f"[{i + 1}/{len(shapes)}] {shape.label}: {r.op['median_us']:.2f} us, {r.gbs:.0f} GB/s, "
+            f"{r.copy['median_us'] / r.op['median_us']:.1%} of copy ({r.copy['kind']}){instr}",
             flush=True,
         )
     print()

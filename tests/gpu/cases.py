@@ -27,12 +27,15 @@ CONFIG_KEYS = [
     "w4_u2_pdl1_nc1_c4",
     "w4_u1_pdl1_nc1_c4_spread",
     "w8_u1_pdl0_nc0_cs_m6",
+    "w4_u1_pdl1_nc1_cs_lq",  # lean_quant: the leaner exact quantization arithmetic
 ]
 CONFIG_VARIANTS = [
     "qkv_d512r64_fp8_ds_mla_bf16_sm90",
     "qkv_d128r64_mxfp4_bf16_sm90",
     "qkv_q8_d128r64_fp8_token_bf16_sm90",
     "kv_norm_d512r64_mxfp8_bf16_sm90",
+    "kv_d512r64_nvfp4_v41_bf16_sm90",  # lean_quant's x / s, 1 / s and E2M1 rounding
+    "qkv_d512r64_nvfp4_dsv4_bf16_sm90",  # lean_quant's amax / 6 and 1 / s
 ]
 
 

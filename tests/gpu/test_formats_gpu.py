@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 from attn_prologue.formats import FORMATS, Numerics, ScaleCode, get_format
+from attn_prologue.launch import LaunchConfig
 from attn_prologue.variants import ArchFamily, generated, parse_name
 
 from .cases import Case, compare, describe_mismatch, make_inputs, run_kernel, run_reference
@@ -74,11 +75,11 @@ def specials(x: torch.Tensor) -> None:
     x[6, :] = float("nan")
 
 
-def check(case: Case, mutate=None):
+def check(case: Case, mutate=None, config=None):
     x = make_inputs(case)
     if mutate is not None:
         mutate(x)
-    got = run_kernel(x)
+    got = run_kernel(x, config=config)
     want = run_reference(x)
     torch.cuda.synchronize()
     diff = compare(got, want)
@@ -89,6 +90,23 @@ def check(case: Case, mutate=None):
     "fmt,op,q8,num", MATRIX, ids=[f"{f}-{o}{'-q8' if q else ''}-[{n}]" for f, o, q, n in MATRIX]
 )
 def test_parity_choices_block_sizes_and_edges(fmt, op, q8, num):
+    edge_checks(fmt, op, q8, num)
+
+
+# the formats whose arithmetic LaunchConfig.lean_quant changes: an E2M1 element or a divided quotient
+LEAN = [m for m in MATRIX if get_format(m[0]).element.value == "e2m1" or get_format(m[0]).divide_by_fp_max]
+LEAN_CONFIG = LaunchConfig.from_key("w4_u1_pdl1_nc1_cs_lq")
+
+
+@pytest.mark.parametrize(
+    "fmt,op,q8,num", LEAN, ids=[f"{f}-{o}{'-q8' if q else ''}-[{n}]" for f, o, q, n in LEAN]
+)
+def test_lean_quant_parity_choices_and_edges(fmt, op, q8, num):
+    """The same rows with the leaner exact arithmetic: every parity choice, ties, NaN/Inf, tiny and huge."""
+    edge_checks(fmt, op, q8, num, config=LEAN_CONFIG)
+
+
+def edge_checks(fmt, op, q8, num, config=None):
     f = get_format(fmt)
     d, r = f.head_dim, f.rope_dim
     align = 512 if fmt in ("mxfp8", "nvfp4_v41") else 576 if fmt == "fp8_ds_mla" else 16
@@ -106,12 +124,20 @@ def test_parity_choices_block_sizes_and_edges(fmt, op, q8, num):
                 zero_rows=2,
                 seed=100 + i,
                 **base,
-            )
+            ),
+            config=config,
         )
     for scale in (1e-6, 1e-3, 3e4):  # tiny (both floors differ), small, huge (scales saturate)
-        check(Case(n=40, block_size=64, zero_rows=1, scale=scale, seed=int(scale * 1e6) % 997, **base))
-    check(Case(n=30, block_size=48, seed=7, **base), mutate=lambda x: tie_groups(x.kv, fmt))
-    check(Case(n=16, block_size=32, seed=8, **{**base, "h": 8, "p": 8}), mutate=lambda x: specials(x.kv))
+        check(
+            Case(n=40, block_size=64, zero_rows=1, scale=scale, seed=int(scale * 1e6) % 997, **base),
+            config=config,
+        )
+    check(Case(n=30, block_size=48, seed=7, **base), mutate=lambda x: tie_groups(x.kv, fmt), config=config)
+    check(
+        Case(n=16, block_size=32, seed=8, **{**base, "h": 8, "p": 8}),
+        mutate=lambda x: specials(x.kv),
+        config=config,
+    )
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4_v41", "nvfp4_dsv4"])

@@ -1,0 +1,410 @@
+"""SASS instructions per stored value of a kernel module, read from its compiled cubin on the CPU.
+
+What is counted. The kernels of the default launch configs are loop-free (a warp runs one pass of
+32 / LANES_PER_ROW rows), so one warp's pass is a path through the DAG of the kernel's basic blocks
+(a persistent config's loop body, one unit, is counted once with the code around it). The count of a row kind ("kv" rows, "q" rows, with or without a
+compress ratio) is the number of instructions in every block that a steady-state pass of that kind
+can reach from the entry: a block is left out when it belongs to another kind of pass (`q_pass`,
+`pad_pass`, `kv_pass` of the generated module, read from the line info), to the compressed writers'
+group-boundary code (for a ratio of 1), or to code that runs only for rare inputs: a subroutine
+call (the IEEE division's slow path for denormal, huge or special operands; the 64-bit division of
+slots >= 2^31) and the global atomics of the error counter. Predicated-off instructions are issued
+all the same and count. The union of reachable blocks is what a warp issues when its lanes take both
+sides of a branch (the rope tail vs the quantized vectors, the lanes that store a scale); where a
+branch is warp-uniform, both sides count although one runs: the format-choice branches (a few
+instructions each; most are if-converted to predicated code anyway).
+
+Per value: that count divided by the values one lane handles in one pass (D / LANES_PER_ROW), i.e.
+thread instructions per value; a warp issues count warp instructions per pass of 32 / LANES_PER_ROW
+rows. Not modelled: dual issue does not exist on these parts, but issue slots lost to dependencies
+and memory stalls are not counted (a lower bound on issue time, not an estimate of it).
+
+The line info comes from a twin compiled with `--generate-line-info`, checked to disassemble to the
+same instructions as the module in the kernel cache (it does: line info changes no code).
+Disassembly needs `nvdisasm` (CUDA's, on PATH or in /usr/local/cuda/bin, or the copy inside the
+`triton` wheel); without it `SassToolMissing` says where it was looked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+import re
+import shutil
+import struct
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from .. import dispatch
+from ..errors import AttnPrologueError
+from ..jit import compiler
+from ..jit.kernel_cache import KernelCache, KernelKey
+from ..launch import LaunchConfig
+from ..variants import parse_name
+
+ENV_NVDISASM = "ATTN_PROLOGUE_NVDISASM"
+EM_CUDA = 190
+
+
+class SassToolMissing(AttnPrologueError, FileNotFoundError):
+    """No nvdisasm to disassemble a cubin with."""
+
+
+class SassError(AttnPrologueError, RuntimeError):
+    """A cubin whose SASS this module cannot count (a loop, an indirect branch, a changed template)."""
+
+
+# ---- tools and cubins ---------------------------------------------------------------------------------
+def nvdisasm_candidates() -> list[Path]:
+    out = []
+    if os.environ.get(ENV_NVDISASM):
+        out.append(Path(os.environ[ENV_NVDISASM]))
+    if shutil.which("nvdisasm"):
+        out.append(Path(shutil.which("nvdisasm")))
+    out.append(Path("/usr/local/cuda/bin/nvdisasm"))
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.origin:
+        out.append(Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "nvdisasm")
+    return out
+
+
+@functools.cache
+def nvdisasm() -> Path:
+    for p in nvdisasm_candidates():
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
+    tried = ", ".join(str(p) for p in nvdisasm_candidates())
+    raise SassToolMissing(
+        f"no nvdisasm found (looked at {tried}): install CUDA's, or `pip install triton` (its wheel ships one), "
+        f"or set {ENV_NVDISASM}"
+    )
+
+
+def tool_versions() -> dict:
+    """nvdisasm's path and release line, or the reason there is none."""
+    try:
+        tool = nvdisasm()
+    except SassToolMissing as exc:
+        return {"nvdisasm": None, "missing": str(exc)}
+    out = subprocess.run([str(tool), "--version"], capture_output=True, text=True).stdout
+    release = next((ln.strip() for ln in out.splitlines() if "release" in ln), out.strip())
+    return {"nvdisasm": str(tool), "nvdisasm_release": release}
+
+
+def embedded_cubin(so: bytes) -> bytes:
+    """The device ELF (e_machine EM_CUDA) inside a kernel.so, cut at its last section or header."""
+    i = so.find(b"\x7fELF\x02", 1)
+    while i >= 0 and struct.unpack_from("<H", so, i + 18)[0] != EM_CUDA:
+        i = so.find(b"\x7fELF\x02", i + 1)
+    if i < 0:
+        raise SassError("no embedded cubin (EM_CUDA ELF) in the shared object")
+    phoff, shoff = struct.unpack_from("<QQ", so, i + 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", so, i + 0x36)
+    end = max(shoff + shentsize * shnum, phoff + phentsize * phnum)
+    for k in range(shnum):
+        header = i + shoff + k * shentsize
+        if struct.unpack_from("<I", so, header + 4)[0] != 8:  # SHT_NOBITS occupies no file bytes
+            off, size = struct.unpack_from("<QQ", so, header + 0x18)
+            end = max(end, off + size)
+    return so[i : i + end]
+
+
+def cached_cubin(cache: KernelCache, key: KernelKey) -> bytes | None:
+    """The cubin of a complete, trusted cache entry, or None."""
+    if cache.read_meta(key) is None:
+        return None
+    return embedded_cubin((cache.entry_dir(key) / "kernel.so").read_bytes())
+
+
+def line_info_cubin(variant: str, config: LaunchConfig, target: str) -> bytes:
+    """The module compiled as compile_entry compiles it, plus --generate-line-info."""
+    import cutlass.cute as cute
+
+    compiler.preload_runtime()
+    mod = compiler.load_module(variant)
+    with tempfile.TemporaryDirectory(prefix="attn-prologue-sass-") as dump:
+        options = f"--gpu-arch {target} --enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir {dump} --generate-line-info"
+        compiled = cute.compile(mod.Kernel(config), *mod.fake_arguments(config), options=options)
+        return compiled.artifacts.CUBIN
+
+
+# ---- disassembly --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    address: int
+    predicate: str  # "" or e.g. "@!P1"
+    opcode: str  # with modifiers: "LDG.E.128.CONSTANT"
+    operands: str
+    function: str  # "main" or a subroutine's name
+    line: tuple[str, int] | None  # (source file, line) where line info is present
+
+    @property
+    def base(self) -> str:
+        return self.opcode.split(".")[0]
+
+    @property
+    def text(self) -> str:
+        return f"{self.predicate} {self.opcode} {self.operands}".strip()
+
+
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+_LINE = re.compile(r'^\s*//## File "([^"]+)", line (\d+)')
+_LABEL = re.compile(r"^([.$][\w.$]+):\s*$")
+
+
+def disassemble(cubin: bytes) -> tuple[list[Instruction], dict[str, int]]:
+    """The instructions of the kernel's text section and the address of every label."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        proc = subprocess.run([str(nvdisasm()), "-c", "-g", f.name], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SassError(f"nvdisasm failed: {proc.stderr.strip()[:500]}")
+    instrs: list[Instruction] = []
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    function, line = "main", None
+    for raw in proc.stdout.splitlines():
+        if m := _LINE.match(raw):
+            line = (m[1], int(m[2]))
+        elif m := _LABEL.match(raw):
+            pending.append(m[1])
+            if m[1].startswith("$"):
+                function = m[1]
+        elif m := _INSTR.match(raw):
+            addr = int(m[1], 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            pred = (m[2] or "").strip()
+            instrs.append(Instruction(addr, pred, m[3], m[4].strip(), function, line))
+    return instrs, labels
+
+
+# ---- instruction classes ------------------------------------------------------------------------------
+CLASSES = {
+    "memory": r"LDG|STG|LD|ST|LDS|STS|LDL|STL|ATOMG|ATOM|ATOMS|RED|REDG|LDGSTS|CCTL",
+    "constant": r"LDC|ULDC",
+    "fp32": r"FADD|FMUL|FFMA|FMNMX|FSETP|FSEL|FCHK|FSET|FSWZADD|FMUL32I|FADD32I|FFMA32I|MUFU",
+    "conversion": r"F2F|F2I|I2F|F2FP|I2I|FRND|F2IP|I2FP",
+    "shuffle": r"SHFL",
+    "branch": r"BRA|BRX|JMP|JMX|EXIT|CALL|RET|BSSY|BSYNC|WARPSYNC|BREAK|PREEXIT|YIELD|NOP",
+}
+_CLASS_RE = {name: re.compile(rf"^(?:{pattern})$") for name, pattern in CLASSES.items()}
+
+
+def instruction_class(base: str) -> str:
+    """memory, constant, fp32, conversion, shuffle, branch, or integer (integer/logic/move, uniform
+    datapath, votes and predicates: everything else)."""
+    return next((name for name, rx in _CLASS_RE.items() if rx.match(base)), "integer")
+
+
+# ---- basic blocks and the reachable set ----------------------------------------------------------------
+_TARGET = re.compile(r"`\(([.$][\w.$]+)\)")
+COLD_OPCODES = re.compile(r"^(CALL|ATOMG|ATOM|REDG|RED)$")  # rare-input code: slow paths, error counts
+PASSES = ("q_pass", "pad_pass", "kv_pass")
+# the generated-module lines that only compressed writers run: the group-boundary test and the group start
+COMPRESS_MARKERS = ("% args.compress_ratio", "// args.compress_ratio")
+
+
+@dataclasses.dataclass
+class Block:
+    instrs: list[Instruction]
+    succ: list[int]
+    region: str | None = None  # the pass it belongs to (None: shared)
+    compress: bool = False
+    cold: bool = False
+
+
+def basic_blocks(instrs: list[Instruction], labels: dict[str, int]) -> list[Block]:
+    main = [i for i in instrs if i.function == "main"]
+    index = {ins.address: k for k, ins in enumerate(main)}
+    leaders = {0} | {index[a] for a in labels.values() if a in index}
+    for k, ins in enumerate(main):
+        if ins.base in ("BRA", "EXIT", "RET", "BRX", "JMX") and k + 1 < len(main):
+            leaders.add(k + 1)
+    starts = sorted(leaders)
+    block_of = {s: b for b, s in enumerate(starts)}
+    blocks = []
+    for b, s in enumerate(starts):
+        end = starts[b + 1] if b + 1 < len(starts) else len(main)
+        body = main[s:end]
+        last = body[-1]
+        succ = []
+        if last.base in ("BRX", "JMX"):
+            raise SassError(f"indirect branch at {last.address:#x}: {last.text}")
+        if last.base == "BRA":
+            target = _TARGET.search(last.operands)
+            if target is None or labels.get(target[1]) not in index:
+                raise SassError(f"branch without a known target at {last.address:#x}: {last.text}")
+            succ.append(block_of[index[labels[target[1]]]])
+        fallthrough = last.base not in ("BRA", "EXIT", "RET") or bool(last.predicate)
+        if fallthrough and end < len(main):
+            succ.append(block_of[end])
+        cold = any(COLD_OPCODES.match(i.base) for i in body)
+        blocks.append(Block(body, succ, cold=cold))
+    return blocks
+
+
+@functools.cache
+def _module_lines(path: str) -> tuple[dict[int, str], frozenset[int]]:
+    """Per line of a generated module: the Kernel method it is in, and the compressed-writer lines."""
+    where, method, compress = {}, None, set()
+    for n, text in enumerate(Path(path).read_text().splitlines(), 1):
+        if m := re.match(r"    def (\w+)\(", text):
+            method = m[1]
+        elif re.match(r"\S", text):
+            method = None
+        where[n] = method
+        if any(marker in text for marker in COMPRESS_MARKERS):
+            compress.add(n)
+    return where, frozenset(compress)
+
+
+def label_blocks(blocks: list[Block], module: str) -> None:
+    """Each block's pass and whether it is compressed-writer code, from the line info of its
+    instructions in the generated module `module` (a file name); a block with none there, or only
+    in the RoPE helpers both passes call, inherits from its predecessors when they agree."""
+    preds: dict[int, list[int]] = {b: [] for b in range(len(blocks))}
+    for b, blk in enumerate(blocks):
+        for s in blk.succ:
+            preds[s].append(b)
+    shared = (None, "rotate_tail", "load_tail_cos_sin")
+    for b, blk in enumerate(
+        blocks
+    ):  # address order: predecessors first but for a persistent loop's back edge
+        own = [i.line for i in blk.instrs if i.line and Path(i.line[0]).name == module]
+        if own:
+            where, compress = _module_lines(own[0][0])
+            methods = [where.get(n) for _, n in own]
+            passes = Counter(m for m in methods if m in PASSES)
+            blk.compress = sum(n in compress for _, n in own) * 2 > len(own)
+            if passes or any(m not in shared for m in methods):
+                blk.region = passes.most_common(1)[0][0] if passes else None
+                continue
+        earlier = [p for p in preds[b] if p < b]
+        regions = {blocks[p].region for p in earlier}
+        if len(regions) == 1:
+            blk.region = regions.pop()
+        if not own and earlier:
+            blk.compress = all(blocks[p].compress for p in earlier)
+
+
+def reachable(blocks: list[Block], row: str, compress: bool) -> list[int]:
+    """Blocks a steady-state pass of `row` kind can reach from the entry."""
+    ok = [not blk.cold and blk.region in (None, row) and (compress or not blk.compress) for blk in blocks]
+    seen, stack = set(), [0]
+    while stack:
+        b = stack.pop()
+        if b in seen or not ok[b]:
+            continue
+        seen.add(b)
+        stack.extend(blocks[b].succ)
+    return sorted(seen)
+
+
+# ---- the count ------------------------------------------------------------------------------------------
+@functools.cache
+def _sass(variant: str, config: LaunchConfig, target: str) -> tuple[tuple[Instruction, ...], tuple]:
+    instrs, labels = disassemble(line_info_cubin(variant, config, target))
+    return tuple(instrs), tuple(labels.items())
+
+
+def same_code(a: list[Instruction], b: list[Instruction]) -> bool:
+    return [(i.address, i.text) for i in a] == [(i.address, i.text) for i in b]
+
+
+def count(
+    variant: str,
+    config: LaunchConfig,
+    target: str,
+    *,
+    row: str = "kv",
+    compress: bool = False,
+    cache: KernelCache | None = None,
+) -> dict:
+    """Instructions per lane and pass of one row kind (module docstring), their classes, and per value.
+    With `cache`, the module's entry there (if built) is checked to have the same SASS as the twin."""
+    v = parse_name(variant)
+    if row not in ("kv", "q") or (row == "q" and not v.op.has_q):
+        raise ValueError(f"row must be 'kv'{' or q' if v.op.has_q else ''} for {variant}, got {row!r}")
+    if compress and v.op.has_q:
+        raise ValueError("compress ratios are a kv-only writer's argument")
+    instrs, labels = _sass(variant, config, target)
+    instrs = list(instrs)
+    matches = None
+    if cache is not None:
+        built = cached_cubin(cache, KernelKey(variant, config, target))
+        if built is not None:
+            matches = same_code(disassemble(built)[0], instrs)
+    blocks = basic_blocks(instrs, dict(labels))
+    label_blocks(blocks, f"{variant}.py")
+    region = f"{row}_pass"
+    if not any(b.region == region for b in blocks):
+        raise SassError(
+            f"{variant}: no code attributed to {region} (did the template's method names change?)"
+        )
+    if not v.op.has_q and not any(b.compress for b in blocks):
+        raise SassError(f"{variant}: no compressed-writer code found (markers {COMPRESS_MARKERS} changed?)")
+    hot = [i for b in reachable(blocks, region, compress) for i in blocks[b].instrs]
+    mod = compiler.load_module(variant)
+    values = mod.HEAD_DIM // mod.LANES_PER_ROW
+    main = [i for i in instrs if i.function == "main"]
+    calls = Counter(
+        _TARGET.search(i.operands)[1].split("$__")[-1]
+        for i in main
+        if i.base == "CALL" and _TARGET.search(i.operands)
+    )
+    return {
+        "variant": variant,
+        "config": config.key,
+        "target": target,
+        "row": row,
+        "compress": compress,
+        "instructions": len(hot),
+        "values_per_lane": values,
+        "per_value": round(len(hot) / values, 2),
+        "classes": dict(sorted(Counter(instruction_class(i.base) for i in hot).items())),
+        "ieee_divisions": sum(i.base == "FCHK" for i in hot),  # each div.rn.f32 fast path checks once
+        "mufu": sum(i.base == "MUFU" for i in hot),
+        "subroutine_call_sites": dict(sorted(calls.items())),
+        "static_main": len(main),
+        "static_subroutines": len(instrs) - len(main),
+        "matches_cache": matches,
+    }
+
+
+def of_shape(shape, config: LaunchConfig | None = None) -> dict:
+    """What `bench` reports per row (a bench.Shape): instructions per value of the module its call
+    runs on this GPU, with the config the dispatcher picks for its token count (or `config`): KV
+    rows, and Q rows for the qkv op. Without nvdisasm, or for SASS this module cannot read, the
+    reason instead (a count is never guessed)."""
+    rt = dispatch.default_runtime()
+    v = rt.variant(shape.request)
+    qkv = shape.op == "qkv"
+    cfg = config or rt.config(v, None, shape.n, shape.h if qkv else None, shape.p if qkv else None)
+    out = {"variant": v.name, "config": cfg.key}
+    try:
+        for row in ("q", "kv") if qkv else ("kv",):
+            c = count(
+                v.name, cfg, rt.device().target, row=row, compress=shape.compress_ratio != 1, cache=rt.cache
+            )
+            out[row] = {
+                k: c[k] for k in ("per_value", "instructions", "classes", "ieee_divisions", "matches_cache")
+            }
+    except (SassToolMissing, SassError) as exc:
+        return {**out, "error": str(exc)}
+    return out
+
+
+def summary(counts: dict | None) -> str:
+    """The bench table's cell: "q 16.3, kv 25.2" instructions per value, or why there is none."""
+    if not counts:
+        return ""
+    if "error" in counts:
+        return "n/a"
+    return ", ".join(f"{row} {counts[row]['per_value']:.1f}" for row in ("q", "kv") if row in counts)

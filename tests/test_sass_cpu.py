@@ -1,0 +1,130 @@
+"""The SASS counter (attn_prologue.lab.sass) on modules compiled here for sm_90a and sm_120a into a
+temporary cache, and the copy yardsticks compiled for every family. No GPU is needed; nvdisasm comes
+with the test extra (the triton wheel ships one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tempfile
+
+import pytest
+from attn_prologue.codegen.plan import make_plan
+from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
+from attn_prologue.lab import copy_kernel, sass, timing
+from attn_prologue.variants import Op, parse_name
+
+NVFP4 = "kv_d512r64_nvfp4_v41_bf16"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return KernelCache(tmp_path_factory.mktemp("sass-cache"))
+
+
+def counted(cache, variant, **kw):
+    v = parse_name(variant)
+    key = KernelKey(variant, v.arch.default_config, v.arch.targets[0])
+    cache.ensure_built(key)
+    return sass.count(variant, key.config, key.target, cache=cache, **kw)
+
+
+def expected_memory_instructions(variant: str) -> int:
+    """Global accesses of one KV row pass, from the template: the slot and position, the row's vectors
+    (and the norm weights' for kv_norm), cos and sin for the vectors in the rope tail; a data store per
+    vector and a scale store per slot (the lanes that own a group store it)."""
+    v = parse_name(variant)
+    plan = make_plan(v)
+    tail_slots = sum((s + 1) * plan["lanes_per_row"] > plan["tail_vector"] for s in range(plan["slots"]))
+    weights = plan["slots"] if v.op is Op.KV_NORM else 0
+    return 2 + plan["slots"] + weights + 2 * tail_slots + 2 * plan["slots"]
+
+
+@pytest.mark.parametrize("variant", [f"{NVFP4}_sm90", f"{NVFP4}_sm120", "kv_norm_d128r64_mxfp4_bf16_sm90"])
+def test_counts_the_built_module_row_by_row(cache, variant):
+    """The twin with line info has the built module's code; every counted instruction has a class; the
+    memory instructions are exactly the row's accesses; a lane's values are D / LANES_PER_ROW."""
+    c = counted(cache, variant)
+    assert c["matches_cache"] is True
+    assert sum(c["classes"].values()) == c["instructions"] > 0
+    assert c["classes"]["memory"] == expected_memory_instructions(variant)
+    plan = make_plan(parse_name(variant))
+    assert c["values_per_lane"] == parse_name(variant).head_dim // plan["lanes_per_row"]
+    assert c["per_value"] == round(c["instructions"] / c["values_per_lane"], 2)
+    # rare-input code is left out: the slow-path subroutines exist and are called, but not counted
+    assert c["subroutine_call_sites"] and c["instructions"] < c["static_main"]
+
+
+def test_native_conversions_count_fewer_instructions_than_portable(cache):
+    """The same module with hardware E2M1 conversions (sm_120a) against its portable build: the software
+    rounding costs instructions, and only the portable module converts with integer/float arithmetic."""
+    native, portable = counted(cache, f"{NVFP4}_sm120"), counted(cache, f"{NVFP4}_sm120_portable")
+    assert portable["instructions"] > native["instructions"] + 100
+    assert portable["classes"]["memory"] == native["classes"]["memory"]
+    assert portable["ieee_divisions"] == native["ieee_divisions"] == 16  # x / s: one per value of a lane
+
+
+def test_compressed_writers_count_the_group_boundary_code(cache):
+    """A compress ratio adds the boundary test and the group start (integer division and modulo)."""
+    plain = counted(cache, f"{NVFP4}_sm90")
+    ratio = counted(cache, f"{NVFP4}_sm90", compress=True)
+    assert ratio["instructions"] > plain["instructions"]
+    assert ratio["classes"]["conversion"] > plain["classes"]["conversion"]  # I2F.RP of each integer division
+
+
+def test_qkv_counts_q_rows_and_kv_rows_apart(cache):
+    q = counted(cache, "qkv_d512r64_fp8_ds_mla_bf16_sm90", row="q")
+    kv = counted(cache, "qkv_d512r64_fp8_ds_mla_bf16_sm90", row="kv")
+    assert q["instructions"] != kv["instructions"]
+    # a Q row loads its row and cos/sin and stores its row; it stores no scale
+    assert q["classes"]["memory"] < kv["classes"]["memory"]
+    with pytest.raises(ValueError):
+        counted(cache, f"{NVFP4}_sm90", row="q")
+
+
+def test_without_nvdisasm_the_reason_is_given(monkeypatch, tmp_path):
+    monkeypatch.setattr(sass, "nvdisasm_candidates", lambda: [tmp_path / "nvdisasm"])
+    sass.nvdisasm.cache_clear()
+    try:
+        assert "pip install triton" in sass.tool_versions()["missing"]
+        with pytest.raises(sass.SassToolMissing, match="no nvdisasm found"):
+            sass.disassemble(b"\x7fELF")
+        assert sass.summary({"error": "no nvdisasm found"}) == "n/a"
+    finally:
+        sass.nvdisasm.cache_clear()
+
+
+def test_the_cubin_is_found_inside_a_shared_object():
+    with pytest.raises(sass.SassError):
+        sass.embedded_cubin(b"\x7fELF\x02" + bytes(64))
+
+
+# ---- the copy yardsticks ------------------------------------------------------------------------------
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a", "sm_120a"])
+def test_copy_kernels_compile_to_their_vectors_per_thread(target):
+    """Each SM copy kind moves its vectors with one 128-bit read-only load and one 128-bit store each."""
+    assert set(timing.COPY_KINDS) == set(copy_kernel.COPY_KINDS) | {"memcpy"}
+    for vectors in copy_kernel.COPY_KINDS.values():
+        with tempfile.TemporaryDirectory() as dump:
+            ptx = copy_kernel.compile_copy(target, vectors, f"--keep-ptx --dump-dir {dump}").artifacts.PTX
+        assert re.search(rf"^\.target {target}$", ptx, re.M)
+        assert len(re.findall(r"ld\.global\.nc\.v4", ptx)) == vectors
+        assert len(re.findall(r"st\.global\.v4", ptx)) == vectors
+        assert not re.search(r"\b(ld|st)\.local\b", ptx)
+
+
+@pytest.mark.parametrize("variant", [f"{NVFP4}_sm90", f"{NVFP4}_sm120", "kv_d128r64_mxfp4_bf16_sm90"])
+def test_lean_quant_counts_fewer_instructions(cache, variant):
+    """The lean_quant knob (the same bytes: tests/test_lean_quant_cpu.py) drops every IEEE division of a
+    row (x / s per value, 1 / s and amax / fp_max per group) and, in the portable module, the E2M1
+    rounding's selects: at least 4 instructions per value fewer for NVFP4, 10% for MXFP4."""
+    v = parse_name(variant)
+    default, lean = v.arch.default_config, dataclasses.replace(v.arch.default_config, lean_quant=True)
+    off = sass.count(variant, default, v.arch.targets[0])
+    on = sass.count(variant, lean, v.arch.targets[0])
+    assert off["ieee_divisions"] > 0 and on["ieee_divisions"] == 0
+    assert on["classes"]["memory"] == off["classes"]["memory"]
+    if v.cache_format.startswith("nvfp4"):
+        assert on["per_value"] <= off["per_value"] - 4
+    else:
+        assert on["instructions"] <= 0.9 * off["instructions"]
