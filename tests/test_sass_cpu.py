@@ -86,7 +86,7 @@ def test_without_nvdisasm_the_reason_is_given(monkeypatch, tmp_path):
     monkeypatch.setattr(sass, "nvdisasm_candidates", lambda: [tmp_path / "nvdisasm"])
     sass.nvdisasm.cache_clear()
     try:
-        assert "pip install triton" in sass.tool_versions()["missing"]
+        assert "pip install nvidia-cuda-nvdisasm" in sass.tool_versions()["missing"]
         with pytest.raises(sass.SassToolMissing, match="no nvdisasm found"):
             sass.disassemble(b"\x7fELF")
         assert sass.summary({"error": "no nvdisasm found"}) == "n/a"

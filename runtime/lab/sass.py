@@ -21,8 +21,9 @@ and memory stalls are not counted (a lower bound on issue time, not an estimate 
 
 The line info comes from a twin compiled with `--generate-line-info`, checked to disassemble to the
 same instructions as the module in the kernel cache (it does: line info changes no code).
-Disassembly needs `nvdisasm` (CUDA's, on PATH or in /usr/local/cuda/bin, or the copy inside the
-`triton` wheel); without it `SassToolMissing` says where it was looked for.
+Disassembly needs `nvdisasm`: `$ATTN_PROLOGUE_NVDISASM`, then PATH, /usr/local/cuda/bin, the
+`nvidia-cuda-nvdisasm` wheel (the test extra installs it: 5 MB) and the copy inside the `triton` wheel;
+without one `SassToolMissing` says where it was looked for.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def nvdisasm_candidates() -> list[Path]:
     if shutil.which("nvdisasm"):
         out.append(Path(shutil.which("nvdisasm")))
     out.append(Path("/usr/local/cuda/bin/nvdisasm"))
+    nvidia = importlib.util.find_spec("nvidia")  # a namespace package: the CUDA component wheels
+    for root in (nvidia.submodule_search_locations or []) if nvidia is not None else []:
+        out.append(Path(root) / "cu13" / "bin" / "nvdisasm")  # nvidia-cuda-nvdisasm
     spec = importlib.util.find_spec("triton")
     if spec is not None and spec.origin:
         out.append(Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "nvdisasm")
@@ -79,7 +83,7 @@ def nvdisasm() -> Path:
             return p
     tried = ", ".join(str(p) for p in nvdisasm_candidates())
     raise SassToolMissing(
-        f"no nvdisasm found (looked at {tried}): install CUDA's, or `pip install triton` (its wheel ships one), "
+        f"no nvdisasm found (looked at {tried}): `pip install nvidia-cuda-nvdisasm` (5 MB), install CUDA's, "
         f"or set {ENV_NVDISASM}"
     )
 
