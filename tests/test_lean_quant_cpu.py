@@ -3,7 +3,8 @@ the reference rules it replaces (the kernels run the same operations: runtime/de
 their twins are in runtime/numerics.py):
 
 - E2M1 rounding by an exponent-dependent magic add = numerics.e2m1_codes over all 2^32 float32 bit
-  patterns (slow; the fast test covers every significand of the binades where codes change);
+  patterns (marker `exhaustive`, minutes, not in the default run; the default test covers every
+  significand of the binades where codes change);
 - RN(1/s) by rcp.approx and one Newton step, for every positive e4m3 s and every start within 4 ulps
   (rcp.approx.f32 is within 1 ulp: PTX ISA, "rcp");
 - RN(x/s) by a reciprocal multiply and one exact correction, for every float32 significand of x and
@@ -55,7 +56,7 @@ def test_e2m1_magic_equals_the_reference_where_codes_change():
     )
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_e2m1_magic_equals_the_reference_on_every_float32():
     for start in range(0, 1 << 32, CHUNK):
         assert_same_codes(patterns(start - (1 << 31), CHUNK))
