@@ -20,7 +20,9 @@ def test_the_time_limit_follows_the_kernels_left_and_the_cores(monkeypatch):
     assert two_cores == session.FIXED_SECONDS + session.CORE_SECONDS_PER_KERNEL * 497 / 2
     assert two_cores > 1392 * 2  # twice the loaded 2-core machine's whole build (issue 29)
     assert session.build_timeout(497, cpus=16) < two_cores
-    assert session.build_timeout(0, cpus=2) == session.FIXED_SECONDS  # everything reused: import and link only
+    assert (
+        session.build_timeout(0, cpus=2) == session.FIXED_SECONDS
+    )  # everything reused: import and link only
     monkeypatch.setenv(session.ENV_TIMEOUT, "5000")
     assert session.build_timeout(497, cpus=2) == 5000
     monkeypatch.setenv(session.ENV_TIMEOUT, "0")
@@ -66,9 +68,7 @@ def test_needs_no_build():
 
 def _tree(root):
     return {
-        p: (st.st_mode, st.st_mtime_ns, st.st_size)
-        for p in [root, *root.rglob("*")]
-        for st in [os.lstat(p)]
+        p: (st.st_mode, st.st_mtime_ns, st.st_size) for p in [root, *root.rglob("*")] for st in [os.lstat(p)]
     }
 
 

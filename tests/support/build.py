@@ -88,7 +88,9 @@ def build_cli(root: Path, timeout: float | None = None) -> tuple[subprocess.Comp
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException as exc:  # the limit, or Ctrl-C: the group started apart, so end it here
-        os.killpg(proc.pid, signal.SIGTERM)  # (ninja runs each job in a group of its own and ends them on SIGTERM)
+        os.killpg(
+            proc.pid, signal.SIGTERM
+        )  # (ninja runs each job in a group of its own and ends them on SIGTERM)
         try:
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
@@ -140,7 +142,9 @@ def reuse_user_cache(root: Path) -> int:
             for part in native.PARTS:
                 found = native.built_path(part, theirs)
                 if found is not None:
-                    _copy_private(found.parent, native_root(root) / part / found.parent.name, native_root(root))
+                    _copy_private(
+                        found.parent, native_root(root) / part / found.parent.name, native_root(root)
+                    )
     except AttnPrologueError as exc:  # an untrusted user cache: read nothing more from it
         print(f"\n[build] not reusing {user.root}: {exc}")
     return copied
