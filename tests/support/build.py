@@ -17,6 +17,7 @@ Three things keep it usable on a slow or busy machine:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -35,6 +36,7 @@ from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 REPO = Path(__file__).resolve().parents[2]
 ENV_CLEAN = "ATTN_PROLOGUE_TEST_CLEAN_BUILD"
 ENV_TIMEOUT = "ATTN_PROLOGUE_TEST_BUILD_TIMEOUT"
+ENV_RECORD = "ATTN_PROLOGUE_TEST_BUILD_RECORD"  # a JSON file the session build's facts go to (tools/time_tests.py)
 
 # CI compiles every generated variant for every target it claims (the project's main job) and
 # inspects what each one emits.
@@ -168,6 +170,9 @@ def build_once(tmp_path_factory) -> Built:
         raise BuildFailed(f"`attn_prologue build` exited {proc.returncode}:\n{output[-6000:]}")
     source = f"; {reused} reused from {KernelCache().root} (read-only)" if reused else ""
     print(f"\n[build] {len(ENTRIES)} kernels ({len(VARIANTS)} variants) in {seconds:.1f}s{source}")
+    if os.environ.get(ENV_RECORD):
+        facts = {"kernels": len(ENTRIES), "reused": reused, "build_seconds": round(seconds, 1)}
+        Path(os.environ[ENV_RECORD]).write_text(json.dumps(facts) + "\n")
     return Built(root, KernelCache(root), output, seconds, reused)
 
 
