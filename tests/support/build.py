@@ -36,7 +36,9 @@ from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 REPO = Path(__file__).resolve().parents[2]
 ENV_CLEAN = "ATTN_PROLOGUE_TEST_CLEAN_BUILD"
 ENV_TIMEOUT = "ATTN_PROLOGUE_TEST_BUILD_TIMEOUT"
-ENV_RECORD = "ATTN_PROLOGUE_TEST_BUILD_RECORD"  # a JSON file the session build's facts go to (tools/time_tests.py)
+ENV_RECORD = (
+    "ATTN_PROLOGUE_TEST_BUILD_RECORD"  # a JSON file the session build's facts go to (tools/time_tests.py)
+)
 
 # CI compiles every generated variant for every target it claims (the project's main job) and
 # inspects what each one emits.
