@@ -169,6 +169,7 @@ def _row(target: Target, shape: str, measured: float) -> dict:
         "shape": shape,
         "measured": measured,
         "bound": target.bound,
+        "side": target.side,
         "met": target.met(measured),
         "kind": target.kind,
     }
