@@ -30,8 +30,10 @@ from attn_prologue.lab.provenance import provenance
 from time_build import machine
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.support.build import ENV_CLEAN, ENV_RECORD  # noqa: E402  (the session build's switches)
+
 PYTEST = ["-m", "pytest", "-q"]  # the README's test command's pytest step, verbatim
-ENV_RECORD = "ATTN_PROLOGUE_TEST_BUILD_RECORD"  # tests/support/build.py writes the session build's facts here
 
 
 def counts(junit: Path) -> dict:
@@ -62,7 +64,7 @@ def main() -> int:
         tmp = Path(tmp)
         env = {**os.environ, ENV_RECORD: str(tmp / "session-build.json")}
         if args.clean:
-            env["ATTN_PROLOGUE_TEST_CLEAN_BUILD"] = "1"
+            env[ENV_CLEAN] = "1"
         beside = None
         if args.concurrent_build:
             build_cmd = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir", str(tmp / "beside")]

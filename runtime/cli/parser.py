@@ -134,7 +134,8 @@ def build_parser() -> o.Parser:
     _simulate(sub)
 
     s = _command(sub, "cache", f"{CLI}:cmd_cache",
-                 "where the kernel cache is, its size and kernels per target; --clean empties it")  # fmt: skip
+                 "where the kernel cache is, its size and kernels per target; --clean empties it",
+                 serving=False)  # fmt: skip
     s.add_argument("--cache-dir", help=CACHE_DIR)
     s.add_argument("--clean", action="store_true", help="remove every entry, lock and build file in it")
 
@@ -152,7 +153,11 @@ def build_parser() -> o.Parser:
     s.add_argument("--jobs", "-j", type=o.count(1), help="parallel compile processes (default: CPU count)")
 
     s = _command(
-        sub, "compile-entries", f"{CLI}:cmd_compile_entries", "(internal: one ninja edge of `build`)"
+        sub,
+        "compile-entries",
+        f"{CLI}:cmd_compile_entries",
+        "(internal: one ninja edge of `build`)",
+        serving=False,
     )
     s.add_argument("--cache-dir", help=f"the kernel cache to compile into {DEFAULT_CACHE}")
     s.add_argument("--stamp", help="file to write once every entry is in the cache (default: none)")
