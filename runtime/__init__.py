@@ -35,10 +35,9 @@ if _started_as_the_command_line():
     # The command line parses first and then imports _exports itself where its command needs it, so
     # `--help` and a mistyped argument never wait for torch. Public names still resolve on first use.
     def __getattr__(name: str):
+        # a submodule is not a public name: `from . import x` then imports it, without torch
         if name.startswith("__") or importlib.util.find_spec(f"{__name__}.{name}") is not None:
-            raise AttributeError(
-                f"module {__name__!r} has no attribute {name!r}"
-            )  # (a submodule: imported by name)
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         exports = importlib.import_module(f"{__name__}._exports")
         globals().update({n: getattr(exports, n) for n in exports.__all__})
         if name not in exports.__all__:
