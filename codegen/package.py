@@ -31,6 +31,16 @@ def wheel_name_parts(targets: list[str]) -> tuple[str, str]:
     return f"attn-prologue-kernels-{tag}", f"attn_prologue_kernels_{tag.replace('-', '_')}"
 
 
+def wheel_file_name(targets: list[str], version: str) -> str:
+    """The wheel `package` writes, e.g. attn_prologue_kernels_sm120a_sm121a-0.1.0-py3-none-linux_x86_64.whl."""
+    dist, _ = wheel_name_parts(targets)
+    return f"{dist.replace('-', '_')}-{version}-py3-none-{_platform_tag()}.whl"
+
+
+def _platform_tag() -> str:
+    return sysconfig.get_platform().replace("-", "_").replace(".", "_")  # a .so is host-specific
+
+
 def package(
     cache: KernelCache, targets: list[str], out_dir: Path, variants=None, jobs: int | None = None
 ) -> Path:
@@ -40,7 +50,7 @@ def package(
     keys = [k for _, k in build.build_keys(variants, set(targets))]
     version = importlib.metadata.version("attn-prologue")
     dist, pkg = wheel_name_parts(targets)
-    platform_tag = sysconfig.get_platform().replace("-", "_").replace(".", "_")  # a .so is host-specific
+    platform_tag = _platform_tag()
     files: dict[str, bytes] = {
         f"{pkg}/__init__.py": (
             f'"""Prebuilt attn-prologue {version} kernels for {", ".join(sorted(targets))} (see `package-kernels`)."""\n\n'
@@ -68,7 +78,7 @@ def package(
     record.write(f"{info}/RECORD,,\n")
     files[f"{info}/RECORD"] = record.getvalue().encode()
     out_dir.mkdir(parents=True, exist_ok=True)
-    wheel = out_dir / f"{dist.replace('-', '_')}-{version}-py3-none-{platform_tag}.whl"
+    wheel = out_dir / wheel_file_name(targets, version)
     with zipfile.ZipFile(wheel, "w", compression=zipfile.ZIP_DEFLATED) as z:
         for name, data in files.items():
             z.writestr(name, data)

@@ -7,6 +7,7 @@ checking: `checked`), so one compiled object serves every such choice.
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import asdict, dataclass, fields
 
@@ -69,7 +70,13 @@ class LaunchConfig:
             r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?", key
         )
         if not m:
-            raise ValueError(f"not a launch-config key: {key!r}")
+            close = difflib.get_close_matches(key, [c.key for c in all_configs()], n=1)
+            raise ValueError(
+                f"not a launch-config key: {key!r}"
+                + (f" (did you mean {close[0]}?)" if close else "")
+                + "; keys read w<warps per CTA>_u<passes per warp>_pdl<0|1>_nc<0|1>[_c<CTAs per SM>]"
+                "[_spread][_cs][_m<min CTAs per SM>][_s32], e.g. w4_u1_pdl1_nc1_cs"
+            )
         return cls(
             int(m.group(1)),
             int(m.group(2)),

@@ -9,6 +9,7 @@ the runtime reads the generated registry (the sorted names) and resolves request
 
 from __future__ import annotations
 
+import difflib
 import enum
 import functools
 import itertools
@@ -143,12 +144,18 @@ TARGETS = tuple(t for _, t in CAPABILITIES.values())
 DEFAULT_BUILD_TARGETS = ("sm_90a", "sm_100a", "sm_120a", "sm_121a")
 
 
+def did_you_mean(name: str, known) -> str:
+    """ " (did you mean X?)" naming the closest of `known` to a mistyped name, or "" if none is close."""
+    close = difflib.get_close_matches(name, [str(k) for k in known], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def check_targets(targets) -> tuple[str, ...]:
     """The targets, or an UnsupportedError naming the valid ones (and the likely intended one)."""
     out = []
     for t in targets:
         if t not in TARGETS:
-            hint = f" (did you mean {t}a?)" if f"{t}a" in TARGETS else ""
+            hint = f" (did you mean {t}a?)" if f"{t}a" in TARGETS else did_you_mean(t, TARGETS)
             raise UnsupportedError(f"unknown target {t!r}{hint}; targets: {', '.join(TARGETS)}")
         out.append(t)
     return tuple(out)
@@ -373,11 +380,43 @@ def find(request: Request, arch: ArchFamily) -> Variant:
     `list --why` prints for that combination plus the nearest generated variants."""
     get_format(request.cache_format)  # an unknown name: UnknownFormatError listing the known ones
     v = request.variant(arch)
-    why = unsupported_reason(v)
-    if why is None and v.name in generated():
+    if unsupported_reason(v) is None and v.name in generated():
         return v
-    why = why or "it is supported but was not generated (run `python -m attn_prologue generate`)"
-    raise UnsupportedError(f"no kernel variant {v.name}: {why}; nearest generated: {', '.join(nearest(v))}")
+    raise UnsupportedError(not_generated(v))
+
+
+def not_generated(v: Variant) -> str:
+    """Why v has no generated module, and the nearest that exist (`find`'s and the CLI's message)."""
+    why = (
+        unsupported_reason(v)
+        or "it is supported but was not generated (run `python -m attn_prologue generate`)"
+    )
+    return f"no kernel variant {v.name}: {why}; nearest generated: {', '.join(nearest(v))}"
+
+
+def explain_name(name: str) -> str:
+    """What is wrong with a variant name (or name prefix) a user typed that matches nothing: the
+    reason and nearest generated variants for a well-formed name, else the closest names or prefixes."""
+    if _NAME.fullmatch(name) is None:
+        return f"{name!r} is not a variant name or prefix" + "".join(
+            f"; closest generated: {', '.join(close)}" for close in [_closest_prefixes(name)] if close
+        )
+    try:
+        return not_generated(parse_name(name))
+    except UnsupportedError as exc:  # a non-canonical spelling: the message names the canonical one
+        return str(exc)
+
+
+def _closest_prefixes(typed: str, count: int = 3) -> list[str]:
+    """Generated names whose start is most like `typed`, each cut at the end of the axis it reaches."""
+    scored = {}
+    for n in generated():
+        end = n.find("_", len(typed))
+        cut = n if end < 0 else n[:end]
+        start, whole = (difflib.SequenceMatcher(None, typed, s).ratio() for s in (n[: len(typed)], cut))
+        scored[cut] = max((start, whole), scored.get(cut, (0.0, 0.0)))
+    best = sorted(scored.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0]))
+    return [cut for cut, (start, _) in best[:count] if start >= 0.6]
 
 
 def nearest(v: Variant, count: int = 3) -> list[str]:

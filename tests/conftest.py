@@ -3,19 +3,43 @@
 import pytest
 import torch
 
+pytest_plugins = ("pytester",)  # tests/test_session_build.py runs small sessions of its own
+
+GPU_SKIP_REASON = (
+    "needs a CUDA GPU: on a machine with one, `tests/gpu/run_suite.sh gpu-suite.json` builds its kernels "
+    "and runs every GPU test (README, Development)"
+)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run tests/gpu/run_suite.sh on the device machine)")
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
-def built(tmp_path_factory):
-    """The session's full build (tests/support/build.py), shared by every test that inspects it."""
-    from .support.build import build_once
+def session_build(tmp_path_factory):
+    """The session's full build (tests/support/build.py), or the BuildFailed it ended with: kept, not
+    raised, so that `built` reports it once instead of once per dependent test."""
+    from .support.build import BuildFailed, build_once
 
-    return build_once(tmp_path_factory)
+    try:
+        return build_once(tmp_path_factory)
+    except BuildFailed as exc:
+        return exc
+
+
+@pytest.fixture
+def built(session_build, request):
+    """The session build, shared by every test that inspects it. If it failed, the first test that
+    needs it fails with the build's output and every later one with a line naming that test."""
+    if not isinstance(session_build, Exception):
+        return session_build
+    first = getattr(session_build, "reported_by", None)
+    if first is None:
+        session_build.reported_by = request.node.nodeid
+        pytest.fail(f"the session build failed: {session_build}", pytrace=False)
+    pytest.fail(f"the session build failed (its output: the error of {first})", pytrace=False)

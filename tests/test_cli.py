@@ -1,64 +1,203 @@
-"""The command line as a user meets it: every option explained, wrong targets and variants are errors
-naming the valid ones, GPU commands on a machine without one say so in one line, and `cache` shows
-and empties the kernel cache."""
+"""The command line as a user meets it: every option explained with its default, every name a user
+types checked while parsing with "did you mean" (variants also get the reason and the nearest
+generated ones), numbers range-checked, `--help` without torch, one-line errors, GPU commands on a
+machine without one saying so (and naming the CPU alternative), and `cache` showing and emptying the
+kernel cache."""
 
 from __future__ import annotations
 
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from attn_prologue import native
 from attn_prologue.cli import build_parser
+from attn_prologue.codegen.variants import dropped_combinations, variant_space
 from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.variants import ArchFamily
 
+REPO = Path(__file__).resolve().parents[1]
+COMMANDS = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
 
-def run(*args: str) -> subprocess.CompletedProcess:
+
+def run(*args: str, python: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "attn_prologue", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, *python, "-m", "attn_prologue", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
     )
 
 
-def test_every_command_and_option_has_help():
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    assert {c.dest for c in sub._choices_actions} >= {"list", "generate", "build", "bench", "tune", "cache"}
-    for choice in sub._choices_actions:
-        assert choice.help and choice.help != argparse.SUPPRESS, choice.dest
-    missing = [
-        f"{name} {a.dest}"
-        for name, sp in sub.choices.items()
-        for a in sp._actions
-        if not isinstance(a, argparse._HelpAction) and not a.help
-    ]
-    assert not missing
+def test_every_command_and_option_has_help_with_its_default():
+    assert set(COMMANDS) >= {"list", "generate", "build", "bench", "tune", "simulate", "cache", "targets"}
+    missing, no_default = [], []
+    for name, sp in COMMANDS.items():
+        text = " ".join(sp.format_help().split())
+        for a in sp._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            if not a.help:
+                missing.append(f"{name} {a.dest}")
+            elif (
+                a.option_strings and a.default not in (None, False) and f"(default: {a.default})" not in text
+            ):
+                no_default.append(f"{name} {a.dest}: {a.default}")
+            elif a.option_strings and a.default is None and not a.required and "default" not in a.help:
+                no_default.append(f"{name} {a.dest}: says nothing of what happens without it")
+    assert not missing and not no_default, missing + no_default
     assert "SUPPRESS" not in run("--help").stdout
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_imports_no_torch(command):
+    """Measured as a user runs it: a fresh interpreter's import log for `... <command> --help`."""
+    proc = run(*([command] if command else []), "--help", python=("-X", "importtime"))
+    assert proc.returncode == 0 and "usage: attn_prologue" in proc.stdout
+    imported = {line.split("|")[-1].strip(): line for line in proc.stderr.splitlines() if "|" in line}
+    heavy = sorted(
+        m for m in imported if m.split(".")[0] in ("torch", "cutlass", "jinja2", "tvm_ffi", "numpy")
+    )
+    assert not heavy, heavy
+    ours = int(imported["attn_prologue"].split("|")[1])  # cumulative microseconds
+    assert ours < 500_000, f"importing attn_prologue for --help took {ours / 1e6:.2f} s"
 
 
 @pytest.mark.parametrize(
     "args,says",
     [
         (["build", "--targets", "sm_90"], "unknown target 'sm_90' (did you mean sm_90a?); targets: sm_90a"),
-        (["build", "--targets", "bogus"], "unknown target 'bogus'"),
-        (["build", "--variants", "nosuch"], "no generated variant matches nosuch"),
-        (["build", "--config", "w3"], "not a launch-config key"),
+        (["build", "--targets", "sm_100"], "unknown target 'sm_100' (did you mean sm_100a?)"),
+        (["build", "--targets", "sm90a"], "unknown target 'sm90a' (did you mean sm_90a?)"),
+        (["build", "--targets", "bogus"], "unknown target 'bogus'; targets:"),
+        (
+            ["build", "--variants", "nosuch"],
+            "no generated variant matches it: 'nosuch' is not a variant name",
+        ),
+        (
+            ["build", "--variants", "qkv_d512r64_fp8_ds_mal"],
+            "is not a variant name or prefix; closest generated: qkv_d512r64_fp8_ds_mla",
+        ),
+        (  # a well-formed name that is not generated: the reason `list --why` gives and the nearest
+            ["build", "--variants", "kv_q8_d512r64_fp8_ds_mla_bf16_sm90"],
+            "no kernel variant kv_q8_d512r64_fp8_ds_mla_bf16_sm90: op kv writes no Q, so an FP8 Q output does "
+            "not apply; nearest generated: kv_d512r64_fp8_ds_mla_bf16_sm90",
+        ),
+        (
+            ["build", "--variants", "qkv_d512r64_fp8_ds_mla_bf16_sm90_portable"],
+            "did you mean 'qkv_d512r64_fp8_ds_mla_bf16_sm90'?",
+        ),
+        (["build", "--config", "w3"], "not a launch-config key: 'w3'; keys read w<warps per CTA>"),
+        (["build", "--config", "w4_u1_pdl1_nc1_c"], "(did you mean w4_u1_pdl1_nc1_cs?)"),
+        (["build", "--jobs", "0"], "argument --jobs/-j: must be >= 1, not 0"),
+        (["bulid"], "invalid choice: 'bulid' (did you mean build?)"),
+        (["bench", "--shapes", "target"], "invalid choice: 'target' (did you mean targets?)"),
+        (["simulate", "--device", "cuda0"], "invalid choice: 'cuda0' (did you mean cuda?)"),
+        (["list", "--head-dim", "-5"], "argument --head-dim: invalid choice: -5 (choose from 128, 512)"),
+        (["simulate", "--kv-fraction", "0"], "argument --kv-fraction: must be in (0, 1], not 0"),
+        (["simulate", "--layers", "0"], "argument --layers: must be >= 1, not 0"),
+        (["simulate", "--tp", "-2"], "argument --tp: must be >= 1, not -2"),
+        (["simulate", "--decode-steps", "x"], "argument --decode-steps: not a whole number: 'x'"),
+        (["tune", "--buckets", "1,0"], "argument --buckets: must be >= 1, not 0"),
+        (["package-kernels", "--targets", "sm_12a"], "unknown target 'sm_12a' (did you mean sm_121a?)"),
     ],
 )
-def test_build_refuses_what_it_cannot_build(tmp_path, args, says):
-    proc = run(*args, "--cache-dir", str(tmp_path))
-    assert proc.returncode == 2 and says in proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_a_mistyped_or_out_of_range_argument_is_refused_in_one_line(tmp_path, args, says):
+    proc = run(*args, *(["--cache-dir", str(tmp_path)] if args[0] == "build" else []))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"attn_prologue{' ' + args[0] if args[0] in COMMANDS else ''}: error: ")
+    assert says in last, last
     assert not any(tmp_path.iterdir())  # nothing was built
 
 
+def test_why_lists_each_reason_once_with_its_count():
+    space = {v.name for v in variant_space()}
+    first_reason = {}
+    for v, why in dropped_combinations():
+        if v.name not in space:
+            first_reason.setdefault(v.name, why)
+    reasons = set(first_reason.values())
+    out = run("list", "--variants", "--why").stdout.splitlines()
+    head = out.index(
+        f"not generated: {len(first_reason)} names, {len(reasons)} reasons (--verbose: every name)"
+    )
+    lines = out[head + 1 :]
+    assert len(lines) == len(reasons) < 40  # was 1,912 lines, one per combination, 308 of them repeated
+    for why in reasons:
+        line = next(line for line in lines if f" x {why} (e.g. " in line)
+        assert int(line.split(" x ")[0]) == sum(r == why for r in first_reason.values())
+    verbose = run("list", "--variants", "--why", "--verbose").stdout.splitlines()
+    listed = [
+        line.strip() for line in verbose[verbose.index(out[head].split(" (")[0]) + 1 :] if " x " not in line
+    ]
+    assert sorted(listed) == sorted(first_reason)  # every name once
+
+
+def test_list_shows_the_generated_head_dims_of_formats_that_take_any():
+    out = run("list").stdout
+    for fmt in ("bf16", "fp8_tensor"):
+        row = next(line for line in out.splitlines() if line.startswith(f"{fmt} "))
+        assert "128/64, 512/64 (shown D=512)" in row and "any" not in row
+    assert "128/64, 512/64 (shown D=128)" in run("list", "--head-dim", "128").stdout
+
+
+@pytest.mark.parametrize(
+    "path,says",
+    [
+        ("nope.json", "cannot read nope.json: No such file or directory"),
+        ("README.md", "README.md is not JSON"),
+        (
+            "results/gpu-suite-h200.json",
+            "results/gpu-suite-h200.json is JSON but not a bench result (no `results` list)",
+        ),
+    ],
+)
+def test_targets_on_a_file_it_cannot_check_is_one_line_and_exit_2(path, says):
+    proc = run("targets", path)
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"attn_prologue targets: {says}")
+    assert "exit status: 0 when every target is met, 1 when one is missed, 2 when" in " ".join(
+        run("targets", "--help").stdout.split()
+    )
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("command", ["bench", "tune", "simulate"])
-def test_gpu_commands_without_a_gpu_say_so_in_one_line(command):
+@pytest.mark.parametrize(
+    "command,alternative",
+    [
+        ("bench", ""),
+        ("tune", ""),
+        ("simulate", "; `--device cpu` runs the same schedule through the PyTorch reference"),
+    ],
+)
+def test_gpu_commands_without_a_gpu_say_so_in_one_line(command, alternative):
     proc = run(command)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == f"attn_prologue {command}: needs a CUDA GPU, and none is available here"
+    assert (
+        proc.stderr.strip()
+        == f"attn_prologue {command}: needs a CUDA GPU, and none is available here{alternative}"
+    )
+
+
+def test_simulate_on_the_cpu_reports_no_device_memory_it_does_not_have():
+    proc = run("simulate", "--device", "cpu", "--layers", "1", "--seqs", "1", "--prompt-len", "20",
+               "--max-num-batched-tokens", "32", "--decode-steps", "1", "--heads", "8", "--padded-heads", "8",
+               "--needles", "2")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "GiB free" not in proc.stdout and "0.00 GiB" not in proc.stdout
+    assert "twice the schedule's blocks (no device memory on the CPU)" in proc.stdout
+
+
+def test_the_package_registers_its_ops_on_import_outside_the_command_line():
+    """Only `python -m attn_prologue` / `attn-prologue` defer the serving API; a program's import does not."""
+    code = "import attn_prologue, sys, torch; torch.ops.attn_prologue.qnorm_rope_kv_insert; print(attn_prologue.bind)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "<function bind" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_cache_shows_where_what_and_cleans(tmp_path):
@@ -75,3 +214,10 @@ def test_cache_shows_where_what_and_cleans(tmp_path):
     proc = run("cache", "--cache-dir", str(root), "--clean")
     assert proc.returncode == 0 and f"cleaned {root}" in proc.stdout
     assert root.exists() and not any(root.iterdir())
+
+
+def test_every_shape_set_names_shapes():
+    from attn_prologue.lab import bench
+
+    for name in COMMANDS["bench"]._option_string_actions["--shapes"].choices:
+        assert bench.default_shapes(name), name

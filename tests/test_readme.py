@@ -1,63 +1,82 @@
-"""The README's numbers come from committed result files: the kernel count and build time from
-results/build-cpu.json (written by tools/time_build.py), the GPU suite count and the host-time
-ratios from the H200 files. A number edited by hand, or a result file replaced without the README,
-fails here."""
+"""The README's numbers come from the committed result files and the code: its results section is
+what tools/readme_results.py renders from results/ (a number edited by hand, or a result file
+replaced without the README, fails here), and the counts the docs state (variants, cache formats)
+are the code's."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
 
+import pytest
 from attn_prologue.codegen import build
 from attn_prologue.codegen.variants import variant_space
+from attn_prologue.formats import FORMATS
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 RESULTS = REPO / "results"
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+WORDS = "zero one two three four five six seven eight nine ten eleven twelve".split()
 
 
-def test_the_build_claim_is_the_recorded_build():
-    record = json.loads((RESULTS / "build-cpu.json").read_text())
-    kernels = len(build.build_keys(variant_space()))
-    assert record["kernels"] == kernels  # the record is of today's variant space
-    m = re.search(r"builds its (\d+) kernels in (\d+) s wall on (\d+) cores", README)
-    assert m, "the README states the main job's build as 'builds its N kernels in T s wall on C cores'"
-    assert (int(m[1]), int(m[2]), int(m[3])) == (
-        kernels,
-        round(record["wall_seconds"]),
-        record["machine"]["cpus"],
-    )
+def _tool():
+    spec = importlib.util.spec_from_file_location("readme_results", REPO / "tools" / "readme_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_the_gpu_suite_and_host_ratio_claims_are_the_recorded_ones():
+def test_the_results_section_is_the_one_rendered_from_the_files():
+    tool = _tool()
+    assert tool.section(README), "the README has no results section between the markers"
+    assert tool.section(README) == tool.render(), "run `python tools/readme_results.py --write`"
+
+
+def test_the_rendered_figures_are_the_files():
+    """The renderer reads what it claims (so the section's equality above means something)."""
+    section = _tool().section(README)
     suite = json.loads((RESULTS / "gpu-suite-h200.json").read_text())
-    assert f"`results/gpu-suite-h200.json`: {suite['passed']} passed" in README and suite["failures"] == 0
-    text = " ".join(README.split())
-    cited = re.search(r"three runs at (\w+) \(`results/host-ratio/native-\1-\*\.json`", text)
-    assert cited, "the README cites three native host-ratio runs"
-    commit = cited.group(1)
-    files = sorted((RESULTS / "host-ratio").glob(f"native-{commit}-*.json"))
-    runs = [json.loads(p.read_text()) for p in files]
-    assert len(runs) == 3
-    for r in runs:  # what the figures are: the native path and the C++ torch-op kernels, at that commit
-        assert r["provenance"]["git_commit"].startswith(commit) and not r["provenance"]["git_dirty"]
-        assert r["native"] == {"fastpath": True, "torch_op_cuda_kernels": "C++"}
-    ratio = [r["ratio_to_add"] for r in runs]
+    assert f"{suite['passed']} passed, {suite['failures'] + suite['errors']} failed" in section
+    build_record = json.loads((RESULTS / "build-cpu.json").read_text())
+    assert f"| {build_record['kernels']} | {build_record['wall_seconds']:.0f} s |" in section
+    host = [json.loads((RESULTS / "host-ratio" / f"native-2654f5f-{i}.json").read_text()) for i in (1, 2, 3)]
+    ratios = "/".join(f"{h['ratio_to_add']['bound op']:.2f}x" for h in host)
+    assert f"| bound op (`ap.bind`) | <= 0.60x | {ratios} |" in section
+    assert (
+        "vs head-major Q, T >= 2048: time ratio | <= 1.03x | 1.08-1.11x | 0 of 2" in section
+    )  # a miss stays
 
-    def each(name):
-        return "/".join(f"{r[name]:.2f}" for r in ratio) + "x"
 
-    def span(name):
-        return f"{min(r[name] for r in ratio):.2f}-{max(r[name] for r in ratio):.2f}x"
+def test_the_build_record_is_of_todays_variant_space():
+    record = json.loads((RESULTS / "build-cpu.json").read_text())
+    assert record["kernels"] == len(build.build_keys(variant_space()))
 
-    for claim in (
-        f"one-call function {each('one-call function')}",
-        f"KV-only {span('one-call kv function')}",
-        f"bound KV op {span('bound kv op')}",
-        f"torch KV op {span('torch kv op')}",
-        f"bound op {each('bound op')}",
-        f"torch op {span('torch op')}",
-        f"is {span('native plan alone (C checks + launch)')}",
-    ):
-        assert claim in text, claim
+
+@pytest.mark.parametrize("name", ["tests-cpu.json", "tests-cpu-concurrent.json"])
+def test_a_test_time_record_is_of_the_readme_command(name):
+    path = RESULTS / name
+    if not path.exists():
+        pytest.skip(f"results/{name} not recorded yet (python tools/time_tests.py)")
+    record = json.loads(path.read_text())
+    assert record["command"] == "python -m pytest -q"  # the whole suite, not a subset
+    assert record["returncode"] == 0 and record["counts"]["failures"] == record["counts"]["errors"] == 0
+    assert (record["concurrent_build"] is not None) == ("concurrent" in name)
+
+
+def test_counts_the_docs_state_are_the_codes():
+    variants, formats = len(variant_space()), len(FORMATS)
+    seen = 0
+    for page in PAGES:
+        text = " ".join(page.read_text().split())
+        for m in re.finditer(r"\ball (\d+)(?= variants| and why)", text):
+            assert int(m[1]) == variants, f"{page.name}: 'all {m[1]}' variants, the code has {variants}"
+            seen += 1
+        for m in re.finditer(r"\b(\w+) (?:paged KV-cache |cache )formats\b", text):
+            if m[1] in WORDS or m[1].isdigit():
+                n = int(m[1]) if m[1].isdigit() else WORDS.index(m[1])
+                assert n == formats, f"{page.name}: '{m[0]}', the code has {formats} formats"
+                seen += 1
+    assert seen >= 4  # README (variants, formats), glossary, docs/README, formats.md

@@ -203,7 +203,8 @@ def test_cli_parses_simulate_and_fails_cleanly_without_a_gpu(capsys):
     assert cli_main(["simulate", "--layers", "2", "--no-allocating"]) == 2  # parsed, then refused
     assert (
         capsys.readouterr().err.strip()
-        == "attn_prologue simulate: needs a CUDA GPU, and none is available here"
+        == "attn_prologue simulate: needs a CUDA GPU, and none is available here; `--device cpu` runs the same "
+        "schedule through the PyTorch reference"
     )
 
 

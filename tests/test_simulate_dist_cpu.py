@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from attn_prologue.cli import main as cli_main
+from attn_prologue.errors import InputError
 from attn_prologue.lab import simulate as sim
 from attn_prologue.lab.simulate.ranks import Ranks
 from attn_prologue.scratch import ScratchPool
@@ -185,7 +186,6 @@ def test_ranks_that_see_different_tokens_fail(tmp_path):
         (["--tp", "2"], "--tp 2 --dp 1 needs 2 processes: add --spawn"),
         (["--tp", "2", "--heads", "4", "--spawn"], "--heads is the one simulated rank's head count"),
         (["--tp", "2", "--padded-heads", "2", "--spawn"], "padded_heads=2 < heads=4"),
-        (["--dp", "0", "--spawn"], "dp must be positive, got 0"),
         (["--tp", "1", "--memory-budget-gb", "1"], "cannot be enforced on the CPU"),
         (["--tp", "1", "--backend", "nccl", "--spawn"], "the nccl backend needs CUDA tensors"),
     ],
@@ -194,6 +194,14 @@ def test_bad_options_are_typed_errors_before_any_rank_starts(capsys, args, says)
     assert cli_main(["simulate", *SMALL, *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("attn_prologue simulate: ") and says in err and err.count("\n") == 1, err
+
+
+def test_options_from_python_are_checked_as_the_command_line_checks_them():
+    """The parser refuses `--dp 0` itself (tests/test_cli.py); SimOptions built in Python meet the same rule."""
+    with pytest.raises(InputError, match="dp must be positive, got 0"):
+        sim.check_options(sim.SimOptions(dp=0, device="cpu"))
+    with pytest.raises(SystemExit):
+        cli_main(["simulate", *SMALL, "--dp", "0", "--spawn"])
 
 
 def test_launcher_variables_must_match_tp_x_dp(capsys, monkeypatch):

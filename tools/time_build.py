@@ -1,9 +1,11 @@
-"""Time the main job's build from an empty kernel cache and record it: wall time, kernels built per
-target, each kernel's compile time, and the machine, with provenance.
+"""Time the main job's build from an empty kernel cache and record it: wall time (the kernels, then
+the native parts), kernels built per target, each kernel's compile time, and the machine, with
+provenance.
 
     python tools/time_build.py --json results/build-cpu.json
+    python tools/time_build.py --targets sm_90a --json results/build-cpu-sm90a.json   # one GPU type
 
-The README's build-time and kernel-count claims come from this file (a test checks that they agree).
+The README's build-time and kernel-count claims come from these files (tests/test_readme.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import argparse
 import json
 import os
 import platform
+import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -31,14 +35,20 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def machine() -> dict:
+    """The facts a CPU timing depends on (tools/time_tests.py records the same)."""
+    return {"cpus": os.cpu_count(), "cpu": cpu_model(), "system": platform.platform()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="where to write the record")
+    parser.add_argument("--targets", help="passed to `build --targets` (default: build's default targets)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="attn-prologue-build-") as tmp:
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir", str(Path(tmp) / "cache"),
-               "--report", str(report)]  # fmt: skip
+               "--report", str(report)] + (["--targets", args.targets] if args.targets else [])  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.perf_counter() - t0
@@ -52,9 +62,14 @@ def main() -> int:
     seconds = sorted(m["compile_seconds"] for m in metas)
     record = {
         "provenance": provenance(),
-        "machine": {"cpus": os.cpu_count(), "cpu": cpu_model(), "system": platform.platform()},
-        "build_command": " ".join(cmd[1:4]) + " (into an empty cache)",
+        "machine": machine(),
+        "build_command": shlex.join(["python", *cmd[1:4], *cmd[8:]]) + " (into an empty cache)",
         "wall_seconds": round(wall, 1),
+        "kernels_wall_seconds": float(re.search(r"kernels ready .* in ([\d.]+)s wall", proc.stdout)[1]),
+        "native_seconds": {
+            p: float(t)
+            for p, t in re.findall(r"^build: native (\w+) -> .* \(([\d.]+)s\)$", proc.stdout, re.M)
+        },
         "kernels": len(metas),
         "kernels_per_target": dict(sorted(per_target.items())),
         "compile_seconds": {

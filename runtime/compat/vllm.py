@@ -50,7 +50,7 @@ FORMS = {
         "(Tensor q_in, Tensor(a!) q_out, Tensor kv, Tensor(b!) k_cache, Tensor slot_mapping, "
         "Tensor position_ids, Tensor cos_sin_cache, float eps, int cache_block_size) -> ()"
     ),
-    # the fork the seed PR merged into, and attn_prologue's own order: caller-owned q_out, third
+    # an earlier caller-owned form (a vLLM fork's) and attn_prologue's own order: caller-owned q_out, third
     "q_out_third": (
         "(Tensor q_in, Tensor kv, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor slot_mapping, "
         "Tensor positions, Tensor cos_sin_cache, float eps, int block_size) -> ()"

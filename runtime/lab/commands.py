@@ -1,5 +1,5 @@
 """The lab's command-line commands (`bench`, `targets`, `tune`, `simulate`): attn_prologue.cli
-parses the arguments and calls these."""
+parses and range-checks the arguments (lists, names and numbers arrive converted) and calls these."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from .. import dispatch, tuning
 from ..errors import InputError
-from ..launch import LaunchConfig, all_configs
+from ..launch import all_configs
 from ..variants import generated, parse_name
 from . import bench, plots, simulate, targets, tune
 from .provenance import provenance
@@ -77,7 +77,9 @@ def run_bench(args) -> int:
 
 
 def run_targets(args) -> int:
-    rows = targets.check_targets(json.loads(Path(args.json).read_text()))
+    """Exit 0 when every target is met, 1 when one is missed; a file that cannot be read or holds no
+    bench results is an InputError (one line, exit 2)."""
+    rows = targets.check_file(Path(args.json))
     print(targets.print_targets(rows))
     missed = sum(not r["met"] for r in rows)
     print(f"\ntargets: {len(rows) - missed} met, {missed} missed ({targets.summary(rows)}) ({args.json})")
@@ -92,16 +94,13 @@ def run_tune(args) -> int:
         for n in generated()
         if parse_name(n).arch is arch and parse_name(n).conversions is arch.default_conversions
     )
-    if args.variants:
-        names = [n for n in names if any(n == w or n.startswith(w) for w in args.variants)]
+    names = [n for n in names if not args.variants or any(n.startswith(w) for w in args.variants)]
     if not names:
         print(f"tune: no {arch.value} variant matches {args.variants}")
         return 1
-    buckets = (
-        [int(b) for b in args.buckets.split(",")] if args.buckets else tuning.default_buckets(args.max_tokens)
-    )
+    buckets = args.buckets or tuning.default_buckets(args.max_tokens)
     if args.configs:
-        configs = [LaunchConfig.from_key(k) for k in args.configs.split(",")]
+        configs = list(args.configs)
     else:
         configs = all_configs() if args.space == "full" else list(tune.DEFAULT_SPACE)
     default = arch.default_config

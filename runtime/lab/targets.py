@@ -4,9 +4,12 @@ the V4.1 / NVFP4 records (FORMAT_TARGETS, the `records` shape set)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from ..errors import InputError
 from .bench import Shape
 
 
@@ -166,9 +169,29 @@ def _row(target: Target, shape: str, measured: float) -> dict:
         "shape": shape,
         "measured": measured,
         "bound": target.bound,
+        "side": target.side,
         "met": target.met(measured),
         "kind": target.kind,
     }
+
+
+def check_file(path: Path) -> list[dict]:
+    """check_targets on a result file; InputError (one line) for a file that cannot be read, is not
+    JSON, or is not a bench result document."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path} is not JSON ({exc}); give a file written by `bench --json`") from None
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
+        raise InputError(
+            f"{path} is JSON but not a bench result (no `results` list); give a file written by `bench --json`"
+        )
+    try:
+        return check_targets(data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{path} is not a bench result this version reads (at {exc!r})") from None
 
 
 def check_targets(data: dict) -> list[dict]:

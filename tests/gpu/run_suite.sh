@@ -3,8 +3,8 @@
 # write a result file (pass/fail counts, and the provenance the lab's tools record: command, git
 # commit, date, device, versions).
 #   tests/gpu/run_suite.sh [RESULT_JSON] [extra pytest args...]
-# On the device machine (see ../shared/device/README.md):
-#   source .device/setup.sh && pip install -q --no-deps --no-build-isolation -e . && tests/gpu/run_suite.sh $OUT/gpu-suite.json
+# On any machine with a CUDA GPU and the package installed (`pip install -e '.[test]'`):
+#   tests/gpu/run_suite.sh gpu-suite.json
 set -euo pipefail
 argv=("$0" "$@")  # this script's command line, for the result file
 result=${1:-gpu-suite.json}; shift || true

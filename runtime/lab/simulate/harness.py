@@ -13,7 +13,7 @@ import torch
 from ...formats import get_format
 from .engine import CACHE_FORMAT, SimOptions, SimulationError
 from .ranks import ALONE
-from .report import gib
+from .report import gib, size
 
 MEM_KEYS = ("allocation.all.allocated", "segment.all.allocated", "num_alloc_retries", "num_ooms")
 
@@ -158,6 +158,12 @@ class Progress:
         )
 
 
+def _sized_from(opts: SimOptions, free: int) -> str:
+    if opts.device == "cpu":  # HostBudget: no device memory to measure
+        return "twice the schedule's blocks (no device memory on the CPU)"
+    return f"{opts.kv_fraction:.2f} x {gib(free)} free"
+
+
 def size_kv(opts: SimOptions, budget, needed_blocks: int, label: str, peers=ALONE) -> dict:
     """KV-cache blocks for every layer in kv_fraction of the free memory, the fewest any rank can
     hold (engines size every rank's cache alike: an all_reduce MIN); refuses a cache the schedule's
@@ -178,9 +184,9 @@ def size_kv(opts: SimOptions, budget, needed_blocks: int, label: str, peers=ALON
     )
     if opts.progress:
         print(
-            f"[{label}] KV cache: {opts.kv_fraction:.2f} x {gib(free)} free -> {num_blocks} blocks x "
+            f"[{label}] KV cache: {_sized_from(opts, free)} -> {num_blocks} blocks x "
             f"{opts.block_size} = {info['capacity_tokens']} tokens per layer, {opts.layers} layers, "
-            f"{gib(info['kv_bytes'])} ({needed_blocks} blocks needed by the schedule)",
+            f"{size(info['kv_bytes'])} ({needed_blocks} blocks needed by the schedule)",
             flush=True,
         )
     if num_blocks < needed_blocks:

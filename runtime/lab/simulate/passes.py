@@ -28,7 +28,7 @@ from .engine import (
 )
 from .harness import MEM_KEYS, Arena, Progress, fill_inputs, in_reservation, make_budget, mem_stats, size_kv
 from .ranks import ALONE
-from .report import gib
+from .report import gib, size
 
 BF16 = torch.bfloat16
 
@@ -154,7 +154,7 @@ def _pool_pass_body(opts, plan: Plan, device, budget, pool: ScratchPool, peers, 
     res["reserved_bytes"] = int(pool.reserved_bytes)
     if opts.progress:
         print(
-            f"[pool] scratch pool: reserved {reserved} bytes ({gib(reserved)}) = {opts.micro_batches} micro-batches x "
+            f"[pool] scratch pool: reserved {reserved} bytes ({size(reserved)}) = {opts.micro_batches} micro-batches x "
             f"{opts.max_num_batched_tokens} tokens x P={p} x D={d} x 2",
             flush=True,
         )

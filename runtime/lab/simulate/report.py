@@ -106,11 +106,16 @@ def summary(results: dict) -> str:
     o = results["options"]
     rows = [
         ("device", results["provenance"]["device"]["name"]),
-        ("scratch pool reserved", f"{pr['reserved_bytes']} B ({gib(pr['reserved_bytes'])})"),
+        ("scratch pool reserved", f"{pr['reserved_bytes']} B ({size(pr['reserved_bytes'])})"),
         (
             "KV cache (pool mode)",
             f"{pr['kv']['num_blocks']} blocks, {pr['kv']['capacity_tokens']} tokens/layer, "
-            f"{o['layers']} layers, {gib(pr['kv']['kv_bytes'])} of {gib(pr['kv']['free_bytes'])} free",
+            f"{o['layers']} layers, {size(pr['kv']['kv_bytes'])}"
+            + (
+                " (twice the schedule's blocks: no device memory on the CPU)"
+                if o["device"] == "cpu"
+                else f" of {gib(pr['kv']['free_bytes'])} free"
+            ),
         ),
         (
             "schedule",

@@ -1,0 +1,36 @@
+"""The package's public names: `attn_prologue` re-exports this module. Importing it imports torch and
+registers torch.ops.attn_prologue.*; the command line imports it after parsing its arguments, so that
+`python -m attn_prologue ... --help` and a mistyped argument cost no torch import."""
+
+from __future__ import annotations
+
+from . import torch_op  # noqa: F401  (registers torch.ops.attn_prologue.*)
+from .api import BoundKvOp, BoundOp, bind, bind_kv
+from .codecs import decode_cache
+from .dispatch import Runtime, default_runtime
+from .errors import AttnPrologueError, InputError, RegistrationError, ScratchError, UnsupportedError
+from .formats import FORMATS, get_format
+from .launch import LaunchConfig
+from .ops import kv_rope_insert, qnorm_rope_kv_insert
+from .scratch import ScratchPool
+
+__all__ = [
+    "FORMATS",
+    "AttnPrologueError",
+    "BoundKvOp",
+    "BoundOp",
+    "InputError",
+    "LaunchConfig",
+    "RegistrationError",
+    "Runtime",
+    "ScratchError",
+    "ScratchPool",
+    "UnsupportedError",
+    "bind",
+    "bind_kv",
+    "decode_cache",
+    "default_runtime",
+    "get_format",
+    "kv_rope_insert",
+    "qnorm_rope_kv_insert",
+]

@@ -1,0 +1,114 @@
+"""What the command line's options accept: the parser class (a mistyped choice gets "did you mean"),
+the help layout (every option shows its default), and the value types that refuse out-of-range
+numbers and unknown names while parsing, before any command runs. Nothing here imports torch."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import UnsupportedError
+from ..variants import check_targets, did_you_mean, explain_name, generated
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose invalid-choice message (a command, a shape set, a device) names the closest."""
+
+    def _check_value(self, action, value):
+        if action.choices is not None and value not in action.choices:
+            known = ", ".join(map(str, action.choices))
+            hint = did_you_mean(str(value), action.choices)
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r}{hint} (choose from {known})")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says what it is."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (
+            action.option_strings
+            and action.default not in (None, False, argparse.SUPPRESS)
+            and "default" not in text
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _typed(name: str, parse):
+    """A type= function whose ValueError or UnsupportedError reads as argparse's own error."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except (ValueError, UnsupportedError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = name
+    return convert
+
+
+def count(minimum: int = 1):
+    """A whole number >= minimum."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise ValueError(f"not a whole number: {text!r}") from None
+        if n < minimum:
+            raise ValueError(f"must be >= {minimum}, not {n}")
+        return n
+
+    return _typed(f"int >= {minimum}", parse)
+
+
+def number(low: float, high: float | None = None):
+    """A number > low (and <= high)."""
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise ValueError(f"not a number: {text!r}") from None
+        if not (x > low and (high is None or x <= high)):
+            raise ValueError(
+                f"must be in ({low:g}, {high:g}], not {x:g}"
+                if high is not None
+                else f"must be > {low:g}, not {x:g}"
+            )
+        return x
+
+    return _typed("number", parse)
+
+
+def counts(minimum: int = 1):
+    """Comma-separated whole numbers >= minimum."""
+    one = count(minimum)
+    return _typed("list of int", lambda text: [one(t) for t in text.split(",")])
+
+
+def _targets(text: str) -> set[str]:
+    return set(check_targets(text.split(",")))
+
+
+def _config_keys(text: str) -> list:
+    from ..launch import LaunchConfig
+
+    return [LaunchConfig.from_key(k) for k in text.split(",")]
+
+
+def _variant_pattern(text: str) -> str:
+    """A variant name or name prefix that some generated variant has."""
+    if not any(n.startswith(text) for n in generated()):
+        raise ValueError(f"no generated variant matches it: {explain_name(text)}")
+    return text
+
+
+targets = _typed("targets", _targets)
+config_keys = _typed("config keys", _config_keys)
+variant_pattern = _typed("variant", _variant_pattern)
+
+
+def matches(name: str, patterns) -> bool:
+    """Does a variant name equal or start with one of the patterns (every name, without patterns)?"""
+    return not patterns or any(name.startswith(p) for p in patterns)
