@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import native, validate
+from . import native, overlap, validate
 from .dispatch import MAX_BUCKET_LOG2, Runtime, default_runtime
 from .errors import InputError
 from .formats import Numerics, get_format
@@ -72,7 +72,7 @@ data_ptr = torch.Tensor.data_ptr  # unbound: anything but a tensor raises TypeEr
 # The per-call overlap checks below compute each argument's [start, end) bytes from its data pointer,
 # row count and row stride, in the layout the compiled function accepts (unit inner strides, compact
 # ids, tables and scales): a call in another layout is refused by that function before it launches,
-# so for every launched call these are the ranges validate.check_disjoint computes. They are read on
+# so for every launched call these are the ranges overlap.check_disjoint computes. They are read on
 # every call rather than cached per argument: proving a tensor unchanged costs as many reads (version
 # counters do not exist for inference tensors, `.data =` bumps none) and q_in, kv are new every call.
 
@@ -100,7 +100,7 @@ def qkv_disjoint(
     if kv_scale is not None or q_scale is not None:
         inputs += scale_ranges(kv_scale, q_scale)
     q_end = qo + ((n_out - 1) * s_qo + p * d) * (1 if q_scale is not None else 2)
-    return validate.disjoint(qo, q_end, kc, kc + (kb - 1) * s_kc + kw if kb else kc, inputs)
+    return overlap.disjoint(qo, q_end, kc, kc + (kb - 1) * s_kc + kw if kb else kc, inputs)
 
 
 def scale_ranges(*scales) -> tuple:
@@ -128,7 +128,7 @@ def kv_disjoint(
         inputs += ((w, w + 2 * d),)
     if kv_scale is not None:
         inputs += scale_ranges(kv_scale)
-    return validate.disjoint(kc, kc + (kb - 1) * s_kc + kw if kb else kc, 0, 0, inputs)
+    return overlap.disjoint(kc, kc + (kb - 1) * s_kc + kw if kb else kc, 0, 0, inputs)
 
 
 def _conversions(conversions: str | Conversions | None) -> Conversions | None:
@@ -173,6 +173,7 @@ def qnorm_rope_kv_insert(
     format's defaults). `apply_q_norm` / `apply_q_rope` False skip that Q step; `q_layout`
     "interleaved" writes FlashMLA's chunk-interleaved Q (variants.QLayout). Slot ids int64 or int32."""
     if torch.compiler.is_compiling() or not (runtime or getattr(q_in, "is_cuda", True)):
+        check_scalar_types(eps, block_size)
         torch.ops.attn_prologue.qnorm_rope_kv_insert(
             q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
             kv_scale, q_scale, numerics_text(numerics), apply_q_norm, apply_q_rope, q_layout,
@@ -195,8 +196,8 @@ def qnorm_rope_kv_insert(
         nwh = p if write_pad_heads else h
         key = fp.qkv_key(*args) if fp is not None else (
             q_in.get_device(), q_in.dtype, cache_format, d, h, nwh, cos_sin_cache.shape[1], kv_scale is not None,
-            q_scale is not None, eps, block_size, checked, numerics, apply_q_norm, apply_q_rope, q_layout,
-            slot_mapping.dtype, config, conversions)  # fmt: skip
+            q_scale is not None, type(eps), type(block_size), eps, block_size, checked, numerics, apply_q_norm,
+            apply_q_rope, q_layout, slot_mapping.dtype, config, conversions)  # fmt: skip
         shape = rt.calls[key]
         if shape.native is not None:
             raise LookupError  # its plan refused the call: the full validation below says why
@@ -207,6 +208,8 @@ def qnorm_rope_kv_insert(
             and p >= h
             and type(block_size) is int
             and block_size > 0
+            and kb > 0
+            and cos_sin_cache.shape[0] > 0
             and kw >= (need := block_size * shape.bytes_per_token)
             and eps >= 0
             and k_cache.dtype is torch.uint8  # the compiled function accepts an int8 cache (same width)
@@ -284,6 +287,7 @@ def kv_rope_insert(
     mode run here (returning the shape's ShapeCalls); CPU tensors and traced calls go through
     torch.ops.attn_prologue.kv_rope_insert, as for qnorm_rope_kv_insert."""
     if torch.compiler.is_compiling() or not (runtime or getattr(kv, "is_cuda", True)):
+        check_scalar_types(eps, block_size)
         torch.ops.attn_prologue.kv_rope_insert(
             kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight, eps,
             kv_scale, numerics_text(numerics), compress_ratio,
@@ -304,7 +308,8 @@ def kv_rope_insert(
         m, d = kv.shape
         key = fp.kv_key(*args) if fp is not None else (
             kv.get_device(), kv.dtype, cache_format, d, cos_sin_cache.shape[1], bool(norm), kv_scale is not None,
-            eps, block_size, checked, numerics, compress_ratio, slot_mapping.dtype, config, conversions)  # fmt: skip
+            type(eps), type(block_size), eps, block_size, checked, numerics, compress_ratio, slot_mapping.dtype,
+            config, conversions)  # fmt: skip
         shape = rt.calls[key]
         if shape.native is not None:
             raise LookupError
@@ -314,6 +319,8 @@ def kv_rope_insert(
             and ms <= n_pos
             and type(block_size) is int
             and block_size > 0
+            and kb > 0
+            and cos_sin_cache.shape[0] > 0
             and kw >= (need := block_size * shape.bytes_per_token)
             and eps >= 0
             and k_cache.dtype is torch.uint8
@@ -359,6 +366,15 @@ def kv_rope_insert(
         )  # fmt: skip
         raise InputError(f"kernel argument check failed: {exc}") from exc
     return shape
+
+
+def check_scalar_types(eps, block_size) -> None:
+    """What the torch ops' schema would convert (a bool block_size to 1) or refuse untyped (a float
+    one), refused here first; their values are checked by the validation behind the op."""
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, torch.SymInt)):
+        raise InputError(f"block_size must be a positive int, got {block_size!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (float, int, torch.SymFloat)):
+        raise InputError(f"eps must be a finite, non-negative float, got {eps!r}")
 
 
 def numerics_text(numerics) -> str:

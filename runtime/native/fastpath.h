@@ -55,7 +55,7 @@ typedef struct {
   int32_t q8;             /* FP8 q_out (passed to the kernel as uint8) */
   int32_t has_norm;       /* kv plans: the indexer-key writer (norm_weight is a leading tensor) */
   /* bound plans: the state the last full check accepted */
-  int64_t h, capacity, q_row, kv_row, head_dim;
+  int64_t h, capacity, q_row, kv_row, head_dim, rope_dim;
   int32_t in_place, n_micro_batches, slot_bits;
   uintptr_t k_cache_ptr;        /* the accepted k_cache's data pointer and byte range */
   ap_range k_range;
@@ -100,13 +100,16 @@ static inline int ap_is_int(const DLTensor* t, int bits) {
   return t->dtype.code == kDLInt && t->dtype.bits == bits && t->dtype.lanes == 1;
 }
 
+/* A [max_pos, R] table with rows (a table without any would make every position out of range). */
+static inline int ap_has_rows(const DLTensor* cos_sin) { return cos_sin->ndim == 2 && cos_sin->shape[0] > 0; }
+
 static inline int ap_bucket(int64_t rows) { /* bucket_index: bit length of rows - 1, capped */
   int b = 0;
   for (uint64_t v = (uint64_t)(rows - 1); v != 0; v >>= 1) ++b;
   return b < AP_BUCKETS - 1 ? b : AP_BUCKETS - 1;
 }
 
-/* validate.disjoint: [w0, w1) and [v0, v1) (the second written buffer, or (0, 0)) intersect
+/* overlap.disjoint: [w0, w1) and [v0, v1) (the second written buffer, or (0, 0)) intersect
  * neither each other nor any input range (inputs may overlap each other: they are only read). */
 static inline int ap_disjoint(uintptr_t w0, uintptr_t w1, uintptr_t v0, uintptr_t v1, const ap_range* in,
                               int n_in) {
@@ -158,7 +161,7 @@ static inline void ap_set_tensor(TVMFFIAny* a, DLTensor* t) {
   a->v_ptr = t;
 }
 
-/* ops.qnorm_rope_kv_insert's per-call checks (ops.qkv_disjoint) and launch. kv_scale and q_scale
+/* ops.qnorm_rope_kv_insert's per-call checks (the cheap ones, ops.qkv_disjoint) and launch. kv_scale and q_scale
  * may be NULL. q_out of an FP8 plan is relabelled uint8 (the kernel's view of it). 1: done. */
 static inline int ap_one_call_qkv(const ap_plan* p, DLTensor* q_in, DLTensor* kv, DLTensor* q_out,
                                   DLTensor* k_cache, DLTensor* slots, DLTensor* positions,
@@ -169,7 +172,7 @@ static inline int ap_one_call_qkv(const ap_plan* p, DLTensor* q_in, DLTensor* kv
   int64_t n = q_in->shape[0], h = q_in->shape[1], d = q_in->shape[2];
   int64_t n_out = q_out->shape[0], pp = q_out->shape[1], m = slots->shape[0];
   int64_t kb = k_cache->shape[0], kw = k_cache->shape[1];
-  if (m > n || n_out < n || pp < h || kw < p->need || !ap_is_uint8(k_cache) ||
+  if (m > n || n_out < n || pp < h || kb < 1 || kw < p->need || !ap_is_uint8(k_cache) || !ap_has_rows(cos_sin) ||
       (kv_scale != NULL) != (p->needs_kv_scale != 0) || (q_scale != NULL) != (p->q8 != 0))
     return 0;
   if (n == 0) return 1;
@@ -214,7 +217,7 @@ static inline int ap_one_call_kv(const ap_plan* p, DLTensor* kv, DLTensor* norm_
     return 0;
   int64_t m = kv->shape[0], d = kv->shape[1], ms = slots->shape[0], n_pos = positions->shape[0];
   int64_t kb = k_cache->shape[0], kw = k_cache->shape[1];
-  if (ms > m || ms > n_pos || kw < p->need || !ap_is_uint8(k_cache)) return 0;
+  if (ms > m || ms > n_pos || kb < 1 || kw < p->need || !ap_is_uint8(k_cache) || !ap_has_rows(cos_sin)) return 0;
   if (ms == 0) return 1;
   uintptr_t kc = ap_ptr(k_cache);
   int64_t s_kc = ap_stride0(k_cache);
@@ -275,14 +278,14 @@ static inline int ap_bound_qkv(const ap_plan* p, DLTensor* q_in, DLTensor* kv, D
 }
 
 /* BoundKvOp.__call__'s per-call checks (M <= rows of kv and of positions, the k_cache and slot-id
- * width of the last full check, the overlap check of ops.kv_disjoint with the bound norm weight and
+ * width of the last full check, a cos_sin_cache with rows and the bound R, the overlap check of ops.kv_disjoint with the bound norm weight and
  * scale) and launch. 1: done (M == 0 launches nothing); 0: refused. */
 static inline int ap_bound_kv(const ap_plan* p, DLTensor* kv, DLTensor* k_cache, const void* k_cache_obj,
                               DLTensor* slots, DLTensor* positions, DLTensor* cos_sin, void* stream) {
   if (p->kind != AP_BOUND_KV || kv->ndim != 2 || slots->ndim < 1 || positions->ndim < 1) return 0;
   int64_t m = kv->shape[0], ms = slots->shape[0], n_pos = positions->shape[0];
   if (ms > m || ms > n_pos || k_cache_obj != p->k_cache_obj || !ap_is_int(slots, p->slot_bits) ||
-      ap_ptr(k_cache) != p->k_cache_ptr)
+      ap_ptr(k_cache) != p->k_cache_ptr || !ap_has_rows(cos_sin) || cos_sin->shape[1] != p->rope_dim)
     return 0;
   if (ms == 0) return 1;
   ap_range in[4 + AP_MAX_FIXED];
