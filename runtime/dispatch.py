@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from . import selftest, tuning
-from .errors import InputError, UnsupportedError
-from .jit.kernel_cache import KernelCache, KernelKey
+from .errors import AttnPrologueError, InputError, UnsupportedError
+from .jit.kernel_cache import KernelCache, KernelKey, KernelLoadError
 from .launch import LaunchConfig
 from .launcher import Launcher
 from .variants import ArchFamily, Request, Variant, arch_for_capability, find, generated
@@ -204,10 +204,22 @@ class Runtime:
             with self._lock:
                 launcher = self._launchers.get(key)
                 if launcher is None:
-                    fn = self.cache.load(KernelKey(v.name, config, facts.target))
+                    fn = self._load(KernelKey(v.name, config, facts.target))
                     launcher = Launcher(v, config, facts.target, facts.index, fn, facts.sm_count)
                     self._launchers[key] = launcher
         return launcher
+
+    def _load(self, key: KernelKey):
+        """The cache's kernel for key; a failure of the file system under it (a miss in a read-only cache,
+        a cache that cannot be written) as a KernelLoadError naming the kernel."""
+        try:
+            return self.cache.load(key)
+        except AttnPrologueError:
+            raise
+        except OSError as exc:
+            raise KernelLoadError(
+                f"kernel {key.variant} [{key.config.key}] for {key.target} could not be loaded or built: {exc}"
+            ) from exc
 
     def launchers(
         self,

@@ -110,6 +110,25 @@ def count_skipped(slots, positions, k_cache, cos_sin, block_size, *, q_tokens: i
         errors[1] += int((~pos_ok[:q_tokens]).sum())
 
 
+def lazy_bits_kernel(op: torch._ops.OpOverload):
+    """op's kernel at the Negative and Conjugate dispatch keys (reached only when an argument is a lazily
+    negated or conjugated view): such a written argument is refused (the op would write its stored
+    bits; torch's own fallback fails untyped on it), such inputs are resolved and op called again."""
+    written = {i: a.name for i, a in enumerate(op._schema.arguments) if a.alias_info and a.alias_info.is_write}
+
+    def kernel(*args):
+        for i, name in written.items():
+            if i < len(args) and (args[i].is_neg() or args[i].is_conj()):
+                lazy = "negated" if args[i].is_neg() else "conjugated"
+                raise InputError(
+                    f"{name} is a lazily {lazy} view, and the op writes it (its stored bits): pass a tensor "
+                    f"without the {lazy[:-2]}ion bit and read the result from that"
+                )
+        return op(*(a.resolve_neg().resolve_conj() if isinstance(a, Tensor) else a for a in args))
+
+    return kernel
+
+
 def check_traced(check, **tensors) -> None:
     """What a fake implementation checks: real meta tensors are refused (called eagerly, it would be
     a silent no-op); on fake tensors `check(**tensors)` (overlap.check_qkv / check_kv) runs, its
@@ -183,6 +202,8 @@ for _name, _cpu, _cuda, _slow, _fake in (
     _library.impl(f"{_name}_slow", _slow, "CUDA")
     for _op in (_name, f"{_name}_slow"):  # not differentiable: autograd passes through (no boxed fallback)
         _library.impl(_op, torch.library.fallthrough_kernel, "Autograd")
+    for _key in ("Negative", "Conjugate"):
+        _library.impl(_name, lazy_bits_kernel(getattr(torch.ops.attn_prologue, _name).default), _key)
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=_library)
 
 

@@ -43,8 +43,8 @@ def _check_tensor(name: str, t, device: torch.device) -> None:
     if t.is_neg() or t.is_conj():
         lazy, fix = ("negated", "resolve_neg") if t.is_neg() else ("conjugated", "resolve_conj")
         _fail(
-            f"{name} is a lazily {lazy} view (its stored bits are not its values, and the kernels read the "
-            f"bits): pass {name}.{fix}()"
+            f"{name} is a lazily {lazy} view (its stored bits are not its values, and the kernels read and "
+            f"write stored bits): pass a tensor without the bit, e.g. {name}.{fix}()"
         )
 
 

@@ -129,6 +129,10 @@ class Registration:
             _DEFINITIONS[qualified] = shared
         shared.users += 1
         self._defined.append(qualified)
+        self.add_kernels(name, kernels)
+
+    def add_kernels(self, name: str, kernels: dict[str, Callable]) -> None:
+        """Register these per-dispatch-key kernels of an op add() defined."""
         for key, kernel in kernels.items():
             self._kernels.impl(name, kernel, key)
 

@@ -34,7 +34,7 @@ from .. import ops, overlap
 from ..errors import InputError, ScratchError, UnsupportedError
 from ..formats import get_format
 from ..scratch import ScratchPool
-from ..torch_op import check_traced, reference_kv, reference_qkv
+from ..torch_op import check_traced, lazy_bits_kernel, reference_kv, reference_qkv
 from .registration import Registration, check_names
 
 QKV_NAME = "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert"
@@ -324,6 +324,8 @@ class VllmOps:
                 "CUDA": lambda *a, _impl=impl: _impl(True, *a),
             }
             self._registration.add(name, schema, kernels, fake, override=override)
+            lazy = lazy_bits_kernel(getattr(getattr(torch.ops, self.namespace), name).default)
+            self._registration.add_kernels(name, {"Negative": lazy, "Conjugate": lazy})
         self.qkv_op, self.kv_op = (getattr(getattr(torch.ops, self.namespace), n) for n in self.names)
 
     def close(self) -> None:
