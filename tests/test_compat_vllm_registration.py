@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from attn_prologue.compat import vllm
+from attn_prologue.compat import registration, vllm
 from attn_prologue.errors import InputError, RegistrationError, ScratchError, UnsupportedError
 
 from .support.vllm_cases import (
@@ -197,3 +197,81 @@ def test_a_registration_nobody_keeps_stays_registered():
     )
     assert torch.equal(bits(q_out), bits(want_q))
     next(r for r in vllm._LIVE if r.namespace == ns).close()
+
+
+# ---- what register refuses, and registrations of one name (issue 28, item 16) -------------------------
+@pytest.mark.parametrize("namespace_", ["aten", "prim", "prims", "quantized", "attn_prologue"])
+def test_reserved_namespaces_are_refused_even_with_override(namespace_):
+    for override in (False, True):
+        with pytest.raises(RegistrationError, match="namespace of torch's or attn_prologue's own ops"):
+            vllm.register(namespace_, form="q_out_third", override=override, new_namespace=True)
+    assert registration.existing_schema(namespace_, vllm.QKV_NAME) is None  # nothing was defined there
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(namespace="my ns"), dict(namespace="a::b"), dict(namespace=""), dict(namespace=7),
+     dict(qkv_name="bad name"), dict(qkv_name="x.y"), dict(kv_name="9x"), dict(kv_name="a(b)"),
+     dict(qkv_name="same", kv_name="same")], ids=str,
+)  # fmt: skip
+def test_malformed_names_are_refused(kw):
+    args = dict(namespace=namespace(), form="q_out_third", new_namespace=True) | kw
+    with pytest.raises(RegistrationError, match="identifier|must differ"):
+        vllm.register(args.pop("namespace"), **args)
+
+
+def test_a_namespace_no_library_has_defined_is_refused_unless_it_is_new():
+    """Registering before the engine's library loads would make the engine's own definitions fail: a
+    namespace with no ops is refused unless the caller says it is its own; once a library defines
+    something there (the engine loaded), register works."""
+    ns = namespace()
+    with pytest.raises(RegistrationError, match="register after the engine's own library"):
+        vllm.register(ns, form="q_out_third")
+    engine = torch.library.Library(ns, "FRAGMENT")
+    engine.define("engine_op(Tensor x) -> Tensor")
+    r = vllm.register(ns, form="q_out_third")
+    try:
+        assert r.qkv_op is not None
+    finally:
+        r.close()
+        engine._destroy()
+
+
+def test_why_the_order_matters_an_engine_defining_our_names_later_fails():
+    """What the refusal above prevents: the engine's library, loading after a registration, cannot
+    define the same name (torch raises)."""
+    r = vllm.register(namespace(), form="q_out_third", new_namespace=True)
+    engine = torch.library.Library(r.namespace, "FRAGMENT")
+    try:
+        with pytest.raises(RuntimeError):
+            engine.define(f"{vllm.KV_NAME}{vllm.KV_SCHEMA}")
+    finally:
+        engine._destroy()
+        r.close()
+
+
+def _run_caller_owned(ns: str) -> tuple:
+    case = CALLER_OWNED[1]
+    x = make(case)
+    q_out = poison_q_out(case.n)
+    want_q, want_cache = expected_qkv(case, x, q_out)
+    getattr(torch.ops, ns).fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
+        *caller_owned_args("q_out_third", case, x, q_out)
+    )
+    return torch.equal(bits(q_out), bits(want_q)) and torch.equal(x["k_cache"], want_cache)
+
+
+@pytest.mark.parametrize("first_closed", ["first", "second"])
+def test_closing_one_of_two_registrations_leaves_the_other_working(first_closed):
+    ns = namespace()
+    first = vllm.register(ns, form="q_out_third", new_namespace=True)
+    with warnings.catch_warnings():  # torch warns once per process that a kernel is overridden
+        warnings.simplefilter("ignore")
+        second = vllm.register(ns, form="q_out_third", override=True)
+    closing, staying = (first, second) if first_closed == "first" else (second, first)
+    closing.close()
+    assert registration.existing_schema(ns, vllm.QKV_NAME) is not None
+    assert _run_caller_owned(ns)  # the op still runs (the other's kernels)
+    staying.close()
+    assert registration.existing_schema(ns, vllm.QKV_NAME) is None  # the last one closed: gone
+    closing.close()  # a second close does nothing
