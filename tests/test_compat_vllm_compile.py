@@ -122,3 +122,23 @@ def test_inductor_calls_the_ops_in_place_without_copying_the_cache(registered):
     for copy in ("clone", ".copy_(", "aten.copy"):  # (the consumer's kernel is named fused__to_copy_...)
         assert copy not in call, f"compiled graph copies something ({copy})"
     assert call.count("empty_strided") == 1  # the consumer's float32 output only
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_overlap_is_refused_typed_under_torch_compile_writing_nothing(registered, backend):
+    """As for our own ops (test_torch_op.py): the fake implementations check the overlap rules while
+    dynamo traces, so a backend that runs the op on copies of the written buffers cannot skip them."""
+    r = registered("q_out_third")
+    case = CALLER_OWNED[1]
+    x, q_out = make(case), poison_q_out(case.n)
+    x["kv"] = q_out[: case.n, -1]  # kv inside q_out (its last head)
+    x["kv"].copy_(make(case)["kv"])
+    before_q, before_cache = bits(q_out).clone(), x["k_cache"].clone()
+
+    def step(x, q_out):
+        r.qkv(*caller_owned_args("q_out_third", case, x, q_out))
+
+    torch._dynamo.reset()
+    with pytest.raises(InputError, match="overlaps kv"):
+        torch.compile(step, backend=backend, fullgraph=True)(x, q_out)
+    assert torch.equal(bits(q_out), before_q) and torch.equal(x["k_cache"], before_cache)
