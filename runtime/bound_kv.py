@@ -85,7 +85,7 @@ class BoundKvOp(SlotWidthCalls):
                 or cos_sin_cache.shape[1] != self.rope_dim
                 or k_cache is not self._k_cache
                 or slot_mapping.dtype is not self._slot_dtype
-                or (m and not self._disjoint(kv, k_cache, slot_mapping, positions, cos_sin_cache))
+                or not self._disjoint(kv, k_cache, slot_mapping, positions, cos_sin_cache)
             )
         except (AttributeError, TypeError, IndexError):  # not tensors of the ranks a call takes
             stale = True
@@ -110,7 +110,7 @@ class BoundKvOp(SlotWidthCalls):
             raise InputError(f"kernel argument check failed: {exc}") from exc
 
     def _disjoint(self, kv, k_cache, slot_mapping, positions, cos_sin_cache) -> bool:
-        """The per-call overlap check (M >= 1): k_cache, at the range its full check computed while its
+        """The per-call overlap check: k_cache, at the range its full check computed while its
         data pointer is the same, is disjoint from kv, the ids, positions, cos_sin_cache and the bound
         norm weight and scale. False sends the call to the full check, which raises if they overlap."""
         try:
@@ -120,7 +120,7 @@ class BoundKvOp(SlotWidthCalls):
                 return False
             kp, sp, pp, cp = ptr(kv), ptr(slot_mapping), ptr(positions), ptr(cos_sin_cache)
             inputs = (
-                (kp, kp + (kv.shape[0] - 1) * 2 * kv.stride()[0] + 2 * kv.shape[1]),
+                ops.span(kp, kv.shape[0], 2 * kv.stride()[0], 2 * kv.shape[1]),
                 (sp, sp + slot_mapping.nbytes),
                 (pp, pp + 8 * positions.shape[0]),
                 (cp, cp + cos_sin_cache.nbytes),

@@ -81,26 +81,33 @@ def qkv_disjoint(
     q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale,
     n, h, d, n_out, p, m, kb, kw, need,
 ) -> bool:  # fmt: skip
-    """What check_qkv checks of overlap, for n >= 1 tokens: q_out's rows and k_cache's pages apart,
-    and q_out and k_cache disjoint from each other and from every input (q_in too, unless it is
-    q_out: in place, P == H)."""
+    """What check_qkv checks of overlap, for any n: q_out's rows and k_cache's pages apart, and q_out
+    and k_cache disjoint from each other and from every input (q_in too, unless it is q_out: in
+    place, P == H)."""
     qo, s_qo, kc, s_kc = data_ptr(q_out), q_out.stride()[0], data_ptr(k_cache), k_cache.stride()[0]
     if (n_out > 1 and s_qo < p * d) or (kb > 1 and s_kc < need):
         return False
-    qi, s_qi, kp = data_ptr(q_in), q_in.stride()[0], data_ptr(kv)
+    qi, s_qi = data_ptr(q_in), q_in.stride()[0]
     sp, pp, cp = data_ptr(slot_mapping), data_ptr(positions), data_ptr(cos_sin_cache)
     inputs = (
-        (kp, kp + (n - 1) * 2 * kv.stride()[0] + 2 * d),
+        span(data_ptr(kv), n, 2 * kv.stride()[0], 2 * d),
         (sp, sp + slot_mapping.nbytes),
         (pp, pp + 8 * n),
         (cp, cp + cos_sin_cache.nbytes),
     )
     if not (p == h and qi == qo and s_qi == s_qo):
-        inputs += ((qi, qi + (n - 1) * 2 * s_qi + 2 * h * d),)
+        inputs += (span(qi, n, 2 * s_qi, 2 * h * d),)
     if kv_scale is not None or q_scale is not None:
         inputs += scale_ranges(kv_scale, q_scale)
-    q_end = qo + ((n_out - 1) * s_qo + p * d) * (1 if q_scale is not None else 2)
-    return overlap.disjoint(qo, q_end, kc, kc + (kb - 1) * s_kc + kw if kb else kc, inputs)
+    q0, q1 = span(qo, n_out, s_qo, p * d)
+    es = 1 if q_scale is not None else 2
+    return overlap.disjoint(q0, q0 + (q1 - q0) * es, *span(kc, kb, s_kc, kw), inputs)
+
+
+def span(start: int, rows: int, stride: int, row: int) -> tuple[int, int]:
+    """[start, end) of `rows` rows `stride` apart, each `row` long (empty for no rows): byte_range's
+    span for a tensor of unit inner strides."""
+    return (start, start + (rows - 1) * stride + row) if rows else (start, start)
 
 
 def scale_ranges(*scales) -> tuple:
@@ -111,14 +118,14 @@ def scale_ranges(*scales) -> tuple:
 def kv_disjoint(
     kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, m, d, ms, n_pos, kb, kw, need
 ) -> bool:
-    """What check_kv checks of overlap, for a call that launches (ms >= 1 slots): k_cache's pages
-    apart and k_cache disjoint from every input (kv [m, D], positions [n_pos], norm_weight [D])."""
+    """What check_kv checks of overlap, for any number of slots ms: k_cache's pages apart and k_cache
+    disjoint from every input (kv [m, D], positions [n_pos], norm_weight [D])."""
     kc, s_kc = data_ptr(k_cache), k_cache.stride()[0]
     if kb > 1 and s_kc < need:
         return False
-    kp, sp, pp, cp = data_ptr(kv), data_ptr(slot_mapping), data_ptr(positions), data_ptr(cos_sin_cache)
+    sp, pp, cp = data_ptr(slot_mapping), data_ptr(positions), data_ptr(cos_sin_cache)
     inputs = (
-        (kp, kp + (m - 1) * 2 * kv.stride()[0] + 2 * d),
+        span(data_ptr(kv), m, 2 * kv.stride()[0], 2 * d),
         (sp, sp + slot_mapping.nbytes),
         (pp, pp + 8 * n_pos),
         (cp, cp + cos_sin_cache.nbytes),
@@ -128,7 +135,7 @@ def kv_disjoint(
         inputs += ((w, w + 2 * d),)
     if kv_scale is not None:
         inputs += scale_ranges(kv_scale)
-    return overlap.disjoint(kc, kc + (kb - 1) * s_kc + kw if kb else kc, 0, 0, inputs)
+    return overlap.disjoint(*span(kc, kb, s_kc, kw), 0, 0, inputs)
 
 
 def _conversions(conversions: str | Conversions | None) -> Conversions | None:
@@ -214,8 +221,8 @@ def qnorm_rope_kv_insert(
             and eps >= 0
             and k_cache.dtype is torch.uint8  # the compiled function accepts an int8 cache (same width)
             and (kv_scale is not None) == shape.needs_kv_scale
-            and (n == 0 or qkv_disjoint(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache,
-                                        kv_scale, q_scale, n, h, d, n_out, p, m, kb, kw, need))
+            and qkv_disjoint(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale,
+                             q_scale, n, h, d, n_out, p, m, kb, kw, need)
         )  # fmt: skip
     except (LookupError, AttributeError, TypeError, ValueError):
         ok = False
@@ -325,8 +332,8 @@ def kv_rope_insert(
             and eps >= 0
             and k_cache.dtype is torch.uint8
             and (kv_scale is not None) == shape.needs_kv_scale
-            and (ms == 0 or kv_disjoint(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache,
-                                        kv_scale, m, d, ms, n_pos, kb, kw, need))
+            and kv_disjoint(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, m, d,
+                            ms, n_pos, kb, kw, need)
         )  # fmt: skip
     except (LookupError, AttributeError, TypeError, ValueError):
         ok = False

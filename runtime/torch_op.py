@@ -111,20 +111,15 @@ def count_skipped(slots, positions, k_cache, cos_sin, block_size, *, q_tokens: i
 
 
 def lazy_bits_kernel(op: torch._ops.OpOverload):
-    """op's kernel at the Negative and Conjugate dispatch keys (reached only when an argument is a lazily
-    negated or conjugated view): such a written argument is refused (the op would write its stored
-    bits; torch's own fallback fails untyped on it), such inputs are resolved and op called again."""
-    written = {i: a.name for i, a in enumerate(op._schema.arguments) if a.alias_info and a.alias_info.is_write}
+    """op's kernel at the Negative and Conjugate dispatch keys, which a call reaches only when an argument
+    is a lazily negated or conjugated view: refuse it, as the validation of the kernel path does (torch's
+    own fallback would resolve an input by a copy, and fails untyped on a written argument)."""
+    names = [a.name for a in op._schema.arguments]
 
     def kernel(*args):
-        for i, name in written.items():
-            if i < len(args) and (args[i].is_neg() or args[i].is_conj()):
-                lazy = "negated" if args[i].is_neg() else "conjugated"
-                raise InputError(
-                    f"{name} is a lazily {lazy} view, and the op writes it (its stored bits): pass a tensor "
-                    f"without the {lazy[:-2]}ion bit and read the result from that"
-                )
-        return op(*(a.resolve_neg().resolve_conj() if isinstance(a, Tensor) else a for a in args))
+        for name, t in zip(names, args):
+            if isinstance(t, Tensor) and (t.is_neg() or t.is_conj()):
+                validate.refuse_lazy_view(name, t)
 
     return kernel
 

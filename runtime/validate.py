@@ -41,11 +41,16 @@ def _check_tensor(name: str, t, device: torch.device) -> None:
     if t.device != device:
         _fail(f"{name} is on {t.device}, expected {device} (every tensor of a call must be on one device)")
     if t.is_neg() or t.is_conj():
-        lazy, fix = ("negated", "resolve_neg") if t.is_neg() else ("conjugated", "resolve_conj")
-        _fail(
-            f"{name} is a lazily {lazy} view (its stored bits are not its values, and the kernels read and "
-            f"write stored bits): pass a tensor without the bit, e.g. {name}.{fix}()"
-        )
+        refuse_lazy_view(name, t)
+
+
+def refuse_lazy_view(name: str, t: torch.Tensor):
+    """InputError for a lazily negated or conjugated view: its stored bits are not its values."""
+    lazy, fix = ("negated", "resolve_neg") if t.is_neg() else ("conjugated", "resolve_conj")
+    _fail(
+        f"{name} is a lazily {lazy} view (its stored bits are not its values, and the kernels read and "
+        f"write stored bits): pass a tensor without the bit, e.g. {name}.{fix}()"
+    )
 
 
 def _check_device(name: str, t: torch.Tensor) -> torch.device:

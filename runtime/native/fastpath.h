@@ -125,6 +125,11 @@ static inline ap_range ap_span(uintptr_t start, int64_t bytes) {
   return r;
 }
 
+/* ops.span: `rows` rows `stride` bytes apart, each `row` bytes (empty for no rows). */
+static inline ap_range ap_rows(uintptr_t start, int64_t rows, int64_t stride, int64_t row) {
+  return ap_span(start, rows > 0 ? (rows - 1) * stride + row : 0);
+}
+
 /* Clear TVM-FFI's raised error (the Python path that follows raises its own, naming the argument); 0. */
 static inline int ap_drop_error(void) {
   TVMFFIObjectHandle err = NULL;
@@ -175,29 +180,29 @@ static inline int ap_one_call_qkv(const ap_plan* p, DLTensor* q_in, DLTensor* kv
   if (m > n || n_out < n || pp < h || kb < 1 || kw < p->need || !ap_is_uint8(k_cache) || !ap_has_rows(cos_sin) ||
       (kv_scale != NULL) != (p->needs_kv_scale != 0) || (q_scale != NULL) != (p->q8 != 0))
     return 0;
-  if (n == 0) return 1;
+  int64_t s_qo = ap_stride0(q_out), s_kc = ap_stride0(k_cache);
+  if ((n_out > 1 && s_qo < pp * d) || (kb > 1 && s_kc < p->need)) return 0; /* rows, pages apart */
   DLTensor q_out_view = *q_out;
   if (p->q8) {
     if (!ap_is_e4m3(q_out)) return 0;
     q_out_view.dtype.code = kDLUInt;
   }
   uintptr_t qo = ap_ptr(q_out), kc = ap_ptr(k_cache);
-  int64_t s_qo = ap_stride0(q_out), s_kc = ap_stride0(k_cache);
-  if ((n_out > 1 && s_qo < pp * d) || (kb > 1 && s_kc < p->need)) return 0;
   uintptr_t qi = ap_ptr(q_in);
   int64_t s_qi = ap_stride0(q_in);
   ap_range in[7];
   int n_in = 0;
-  in[n_in++] = ap_span(ap_ptr(kv), (n - 1) * 2 * ap_stride0(kv) + 2 * d);
+  in[n_in++] = ap_rows(ap_ptr(kv), n, 2 * ap_stride0(kv), 2 * d);
   in[n_in++] = ap_span(ap_ptr(slots), ap_nbytes(slots));
   in[n_in++] = ap_span(ap_ptr(positions), 8 * n);
   in[n_in++] = ap_span(ap_ptr(cos_sin), ap_nbytes(cos_sin));
-  if (!(pp == h && qi == qo && s_qi == s_qo)) in[n_in++] = ap_span(qi, (n - 1) * 2 * s_qi + 2 * h * d);
+  if (!(pp == h && qi == qo && s_qi == s_qo)) in[n_in++] = ap_rows(qi, n, 2 * s_qi, 2 * h * d);
   if (kv_scale != NULL) in[n_in++] = ap_span(ap_ptr(kv_scale), 4);
   if (q_scale != NULL) in[n_in++] = ap_span(ap_ptr(q_scale), 4);
-  uintptr_t q_end = qo + (uintptr_t)(((n_out - 1) * s_qo + pp * d) * (p->q8 ? 1 : 2));
-  uintptr_t k_end = kb ? kc + (uintptr_t)((kb - 1) * s_kc + kw) : kc;
-  if (!ap_disjoint(qo, q_end, kc, k_end, in, n_in)) return 0;
+  const int64_t es = p->q8 ? 1 : 2;
+  const ap_range q = ap_rows(qo, n_out, s_qo * es, pp * d * es), kr = ap_rows(kc, kb, s_kc, kw);
+  if (!ap_disjoint(q.start, q.end, kr.start, kr.end, in, n_in)) return 0;
+  if (n == 0) return 1;
   TVMFFIAny args[AP_MAX_LEAD + AP_MAX_TAIL];
   int k = 0;
   DLTensor* lead[9] = {q_in, kv, &q_out_view, k_cache, slots, positions, cos_sin, kv_scale, q_scale};
@@ -218,20 +223,20 @@ static inline int ap_one_call_kv(const ap_plan* p, DLTensor* kv, DLTensor* norm_
   int64_t m = kv->shape[0], d = kv->shape[1], ms = slots->shape[0], n_pos = positions->shape[0];
   int64_t kb = k_cache->shape[0], kw = k_cache->shape[1];
   if (ms > m || ms > n_pos || kb < 1 || kw < p->need || !ap_is_uint8(k_cache) || !ap_has_rows(cos_sin)) return 0;
-  if (ms == 0) return 1;
-  uintptr_t kc = ap_ptr(k_cache);
   int64_t s_kc = ap_stride0(k_cache);
-  if (kb > 1 && s_kc < p->need) return 0;
+  if (kb > 1 && s_kc < p->need) return 0; /* pages apart */
+  uintptr_t kc = ap_ptr(k_cache);
   ap_range in[6];
   int n_in = 0;
-  in[n_in++] = ap_span(ap_ptr(kv), (m - 1) * 2 * ap_stride0(kv) + 2 * d);
+  in[n_in++] = ap_rows(ap_ptr(kv), m, 2 * ap_stride0(kv), 2 * d);
   in[n_in++] = ap_span(ap_ptr(slots), ap_nbytes(slots));
   in[n_in++] = ap_span(ap_ptr(positions), 8 * n_pos);
   in[n_in++] = ap_span(ap_ptr(cos_sin), ap_nbytes(cos_sin));
   if (norm_weight != NULL) in[n_in++] = ap_span(ap_ptr(norm_weight), 2 * d);
   if (kv_scale != NULL) in[n_in++] = ap_span(ap_ptr(kv_scale), 4);
-  uintptr_t k_end = kb ? kc + (uintptr_t)((kb - 1) * s_kc + kw) : kc;
-  if (!ap_disjoint(kc, k_end, 0, 0, in, n_in)) return 0;
+  const ap_range kr = ap_rows(kc, kb, s_kc, kw);
+  if (!ap_disjoint(kr.start, kr.end, 0, 0, in, n_in)) return 0;
+  if (ms == 0) return 1;
   TVMFFIAny args[AP_MAX_LEAD + AP_MAX_TAIL];
   int k = 0;
   DLTensor* lead[7] = {kv, norm_weight, k_cache, slots, positions, cos_sin, kv_scale};
@@ -287,15 +292,15 @@ static inline int ap_bound_kv(const ap_plan* p, DLTensor* kv, DLTensor* k_cache,
   if (ms > m || ms > n_pos || k_cache_obj != p->k_cache_obj || !ap_is_int(slots, p->slot_bits) ||
       ap_ptr(k_cache) != p->k_cache_ptr || !ap_has_rows(cos_sin) || cos_sin->shape[1] != p->rope_dim)
     return 0;
-  if (ms == 0) return 1;
   ap_range in[4 + AP_MAX_FIXED];
   int n_in = 0;
-  in[n_in++] = ap_span(ap_ptr(kv), (m - 1) * 2 * ap_stride0(kv) + 2 * kv->shape[1]);
+  in[n_in++] = ap_rows(ap_ptr(kv), m, 2 * ap_stride0(kv), 2 * kv->shape[1]);
   in[n_in++] = ap_span(ap_ptr(slots), ap_nbytes(slots));
   in[n_in++] = ap_span(ap_ptr(positions), 8 * n_pos);
   in[n_in++] = ap_span(ap_ptr(cos_sin), ap_nbytes(cos_sin));
   for (int i = 0; i < p->n_fixed; ++i) in[n_in++] = p->fixed[i];
   if (!ap_disjoint(p->k_range.start, p->k_range.end, 0, 0, in, n_in)) return 0;
+  if (ms == 0) return 1;
   TVMFFIAny args[AP_MAX_LEAD + AP_MAX_TAIL];
   int k = 0;
   ap_set_tensor(&args[k++], kv);

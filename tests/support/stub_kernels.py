@@ -84,12 +84,15 @@ class StubRuntime(dispatch.Runtime):
 class _CpuPool:
     """A ScratchPool whose buffers live on the CPU whatever device a bound op names."""
 
-    def __init__(self, max_tokens: int, padded_heads: int, head_dim: int, micro_batches: int):
+    def __init__(
+        self, max_tokens: int, padded_heads: int, head_dim: int, micro_batches: int, dtype=torch.bfloat16
+    ):
         self.pool = ScratchPool()
         self.pool.reserve(
             max_tokens=max_tokens,
             padded_heads=padded_heads,
             head_dim=head_dim,
+            dtype=dtype,
             micro_batches=micro_batches,
             device="cpu",
         )
