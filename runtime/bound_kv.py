@@ -120,7 +120,7 @@ class BoundKvOp(SlotWidthCalls):
                 return False
             kp, sp, pp, cp = ptr(kv), ptr(slot_mapping), ptr(positions), ptr(cos_sin_cache)
             inputs = (
-                ops.span(kp, kv.shape[0], 2 * kv.stride()[0], 2 * kv.shape[1]),
+                (kp, kp + (m - 1) * 2 * kv.stride()[0] + 2 * kv.shape[1] if (m := kv.shape[0]) else kp),
                 (sp, sp + slot_mapping.nbytes),
                 (pp, pp + 8 * positions.shape[0]),
                 (cp, cp + cos_sin_cache.nbytes),

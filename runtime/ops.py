@@ -83,31 +83,26 @@ def qkv_disjoint(
 ) -> bool:  # fmt: skip
     """What check_qkv checks of overlap, for any n: q_out's rows and k_cache's pages apart, and q_out
     and k_cache disjoint from each other and from every input (q_in too, unless it is q_out: in
-    place, P == H)."""
+    place, P == H). False also for a cos_sin_cache without rows (the validation's refusal)."""
     qo, s_qo, kc, s_kc = data_ptr(q_out), q_out.stride()[0], data_ptr(k_cache), k_cache.stride()[0]
-    if (n_out > 1 and s_qo < p * d) or (kb > 1 and s_kc < need):
+    cb = cos_sin_cache.nbytes
+    if (n_out > 1 and s_qo < p * d) or (kb > 1 and s_kc < need) or not cb:  # (no table rows: refused too)
         return False
-    qi, s_qi = data_ptr(q_in), q_in.stride()[0]
+    qi, s_qi, kp = data_ptr(q_in), q_in.stride()[0], data_ptr(kv)
     sp, pp, cp = data_ptr(slot_mapping), data_ptr(positions), data_ptr(cos_sin_cache)
+    # rows' ranges: [start, start + (rows - 1) * row stride + row bytes), empty for no rows
     inputs = (
-        span(data_ptr(kv), n, 2 * kv.stride()[0], 2 * d),
+        (kp, kp + (n - 1) * 2 * kv.stride()[0] + 2 * d if n else kp),
         (sp, sp + slot_mapping.nbytes),
         (pp, pp + 8 * n),
-        (cp, cp + cos_sin_cache.nbytes),
+        (cp, cp + cb),
     )
     if not (p == h and qi == qo and s_qi == s_qo):
-        inputs += (span(qi, n, 2 * s_qi, 2 * h * d),)
+        inputs += ((qi, qi + (n - 1) * 2 * s_qi + 2 * h * d if n else qi),)
     if kv_scale is not None or q_scale is not None:
         inputs += scale_ranges(kv_scale, q_scale)
-    q0, q1 = span(qo, n_out, s_qo, p * d)
-    es = 1 if q_scale is not None else 2
-    return overlap.disjoint(q0, q0 + (q1 - q0) * es, *span(kc, kb, s_kc, kw), inputs)
-
-
-def span(start: int, rows: int, stride: int, row: int) -> tuple[int, int]:
-    """[start, end) of `rows` rows `stride` apart, each `row` long (empty for no rows): byte_range's
-    span for a tensor of unit inner strides."""
-    return (start, start + (rows - 1) * stride + row) if rows else (start, start)
+    q_end = qo + ((n_out - 1) * s_qo + p * d) * (1 if q_scale is not None else 2) if n_out else qo
+    return overlap.disjoint(qo, q_end, kc, kc + (kb - 1) * s_kc + kw, inputs)  # (kb >= 1: checked before)
 
 
 def scale_ranges(*scales) -> tuple:
@@ -119,23 +114,24 @@ def kv_disjoint(
     kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, m, d, ms, n_pos, kb, kw, need
 ) -> bool:
     """What check_kv checks of overlap, for any number of slots ms: k_cache's pages apart and k_cache
-    disjoint from every input (kv [m, D], positions [n_pos], norm_weight [D])."""
-    kc, s_kc = data_ptr(k_cache), k_cache.stride()[0]
-    if kb > 1 and s_kc < need:
+    disjoint from every input (kv [m, D], positions [n_pos], norm_weight [D]). False also for a
+    cos_sin_cache without rows."""
+    kc, s_kc, cb = data_ptr(k_cache), k_cache.stride()[0], cos_sin_cache.nbytes
+    if (kb > 1 and s_kc < need) or not cb:  # (no table rows: refused too)
         return False
-    sp, pp, cp = data_ptr(slot_mapping), data_ptr(positions), data_ptr(cos_sin_cache)
+    kp, sp, pp, cp = data_ptr(kv), data_ptr(slot_mapping), data_ptr(positions), data_ptr(cos_sin_cache)
     inputs = (
-        span(data_ptr(kv), m, 2 * kv.stride()[0], 2 * d),
+        (kp, kp + (m - 1) * 2 * kv.stride()[0] + 2 * d if m else kp),
         (sp, sp + slot_mapping.nbytes),
         (pp, pp + 8 * n_pos),
-        (cp, cp + cos_sin_cache.nbytes),
+        (cp, cp + cb),
     )
     if norm_weight is not None:
         w = data_ptr(norm_weight)
         inputs += ((w, w + 2 * d),)
     if kv_scale is not None:
         inputs += scale_ranges(kv_scale)
-    return overlap.disjoint(*span(kc, kb, s_kc, kw), 0, 0, inputs)
+    return overlap.disjoint(kc, kc + (kb - 1) * s_kc + kw, 0, 0, inputs)  # (kb >= 1: checked before)
 
 
 def _conversions(conversions: str | Conversions | None) -> Conversions | None:
@@ -216,7 +212,6 @@ def qnorm_rope_kv_insert(
             and type(block_size) is int
             and block_size > 0
             and kb > 0
-            and cos_sin_cache.shape[0] > 0
             and kw >= (need := block_size * shape.bytes_per_token)
             and eps >= 0
             and k_cache.dtype is torch.uint8  # the compiled function accepts an int8 cache (same width)
@@ -327,7 +322,6 @@ def kv_rope_insert(
             and type(block_size) is int
             and block_size > 0
             and kb > 0
-            and cos_sin_cache.shape[0] > 0
             and kw >= (need := block_size * shape.bytes_per_token)
             and eps >= 0
             and k_cache.dtype is torch.uint8
