@@ -30,7 +30,8 @@ from .variants import INTERLEAVED_PADDED_HEADS, Op, QLayout, QOut, Request, q_fl
 
 
 class BoundOp(SlotWidthCalls):
-    """qnorm_rope_kv_insert bound to one layer's shapes, device, cache format and scratch."""
+    """qnorm_rope_kv_insert bound to one layer's shapes, device, cache format and scratch (made by
+    `bind`, whose docstring says what each argument is)."""
 
     def __init__(
         self,

@@ -15,7 +15,8 @@ from .variants import Op, Request
 
 class BoundKvOp(SlotWidthCalls):
     """kv_rope_insert bound to one layer's cache: the KV-only call (DeepSeek-V4.1 on SM100), the
-    compressed-cache writer (compress_ratio > 1) and, with norm_weight, the indexer-key writer."""
+    compressed-cache writer (compress_ratio > 1) and, with norm_weight, the indexer-key writer (made by
+    `bind_kv`, whose docstring says what each argument is)."""
 
     def __init__(
         self,

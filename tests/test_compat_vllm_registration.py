@@ -275,3 +275,11 @@ def test_closing_one_of_two_registrations_leaves_the_other_working(first_closed)
     staying.close()
     assert registration.existing_schema(ns, vllm.QKV_NAME) is None  # the last one closed: gone
     closing.close()  # a second close does nothing
+
+
+def test_the_plain_callables_show_the_schema_s_arguments_to_help(registered):
+    import inspect
+
+    r = registered("q_out_second")
+    assert list(inspect.signature(r.qkv).parameters) == [a.name for a in r.qkv_op.default._schema.arguments]
+    assert list(inspect.signature(r.kv_insert).parameters)[:2] == ["kv", "cache"]

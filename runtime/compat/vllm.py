@@ -66,6 +66,7 @@ KV_SCHEMA = (
     "Tensor? fp8_scale, bool kv_mxfp8) -> ()"
 )
 PAD_HEADS = ("written", "zero_once")
+
 # every registration made and not closed: a dropped torch.library.Library unregisters its ops (and a
 # later override of them would lose its schema), and an engine may well not keep what register() returns
 _LIVE: set[VllmOps] = set()
