@@ -3,7 +3,8 @@
 Per call, after the key's dict hit, the shape's native plan (native/fastpath.h) does the checks
 below and the kernel call in C; where the native module is unavailable, the same checks run here
 in Python. Per call, the hot path does the checks the compiled function cannot (M <= N, N' >= N, P >= H, the
-cache's block size, a uint8 cache: TVM-FFI lets an int8 one through), the overlap check (what the
+cache's block size, a uint8 cache: TVM-FFI lets an int8 one through; a cache with blocks and a rope
+table with rows), the overlap check (what the
 call writes against itself and every input, on byte ranges), a dict hit for the shape's launchers
 and one call. TVM-FFI itself checks dtypes, ranks, D, strides, 16-byte alignment,
 devices and equal row counts of q_in, kv and positions (one symbolic token count in the compiled
