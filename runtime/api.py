@@ -18,54 +18,20 @@ import sys
 
 import torch
 
-from . import ops, validate
+from . import ops, overlap, validate
+from .binding import SlotWidthCalls, bind_device, check_bind_args, check_bound_tensor
+from .bound_kv import BoundKvOp
 from .dispatch import MAX_BUCKET_LOG2, Runtime, default_runtime
-from .errors import InputError, ScratchError, UnsupportedError
+from .errors import InputError, ScratchError
 from .formats import get_format
 from .launch import LaunchConfig
 from .scratch import ScratchPool
-from .variants import INTERLEAVED_PADDED_HEADS, IoDtype, Op, QLayout, QOut, Request, q_flags
+from .variants import INTERLEAVED_PADDED_HEADS, Op, QLayout, QOut, Request, q_flags
 
 
-def _bind_device(device, what: str) -> torch.device:
-    """The CUDA device a bound op runs on (the current one when no index is given)."""
-    device = torch.device(device) if device is not None else torch.device("cuda")
-    if device.type != "cuda":
-        raise InputError(f"{what}() needs a CUDA device, got {device}")
-    if not torch.cuda.is_available():
-        raise UnsupportedError(f"no CUDA device is available: {what}() needs an NVIDIA GPU")
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-class _SlotWidthCalls:
-    """What both bound ops keep per slot-id width (int64, int32): per token-count bucket, the kernel
-    and the arguments after the leading ones (`_lead`), from the launchers for `_request`."""
-
-    def _use_slot_dtype(self, dtype) -> None:
-        """Switch the calls to this slot-id width (int32 ids: kernels compiled for int32, built on first use)."""
-        calls = self._calls_by_dtype.get(dtype)
-        if calls is None:
-            launchers = self._rt.launchers(
-                self._request,
-                self.device,
-                config=self._config,
-                slots32=dtype == torch.int32,
-                **self._launch_args,
-            )
-            calls = self._calls_by_dtype[dtype] = [
-                (la.fn, la.tail(self._lead, **self._values)) for la in launchers
-            ]
-        self._slot_dtype, self._calls = dtype, calls
-
-    @property
-    def _slot_bits(self) -> int:
-        return 32 if self._slot_dtype is torch.int32 else 64
-
-
-class BoundOp(_SlotWidthCalls):
-    """qnorm_rope_kv_insert bound to one layer's shapes, device, cache format and scratch."""
+class BoundOp(SlotWidthCalls):
+    """qnorm_rope_kv_insert bound to one layer's shapes, device, cache format and scratch (made by
+    `bind`, whose docstring says what each argument is)."""
 
     def __init__(
         self,
@@ -91,13 +57,12 @@ class BoundOp(_SlotWidthCalls):
         config: LaunchConfig | None = None,
         runtime: Runtime | None = None,
     ):
-        device = _bind_device(device, "bind")
-        p = padded_heads or num_heads
+        p = num_heads if padded_heads is None else padded_heads
+        io = check_bind_args(dtype, eps, num_heads=num_heads, padded_heads=p, head_dim=head_dim, rope_dim=rope_dim,
+                             block_size=block_size, micro_batches=micro_batches)  # fmt: skip
         if p < num_heads:
             raise InputError(f"padded_heads={p} is smaller than num_heads={num_heads}")
-        io = IoDtype.of_torch(dtype)
-        if io is None:
-            raise InputError(f"dtype must be bfloat16 or float16, got {dtype}")
+        device = bind_device(device, "bind")
         fmt = get_format(cache_format)
         flags = fmt.numerics_flags(numerics)  # the KV path's parity choices (NumericsError if it lacks one)
         if fmt.needs_tensor_scale and kv_scale is None:
@@ -119,13 +84,8 @@ class BoundOp(_SlotWidthCalls):
         self._request, self._config, self._rt = request, config, rt
         self._launch_args, self._lead = {"heads": num_heads}, ops.QKV_TENSORS
         self.errors = rt.errors_buffer(device)
-        self.h, self.p, self.head_dim, self.block_size, self.eps = (
-            num_heads,
-            p,
-            head_dim,
-            block_size,
-            float(eps),
-        )
+        self.h, self.p, self.head_dim, self.rope_dim = num_heads, p, head_dim, rope_dim
+        self.block_size, self.eps = block_size, float(eps)
         self.cache_format, self.dtype, self.device = cache_format, dtype, device
         self.checked = 1 if checked else 0
         self.kv_scale, self.q_scale = kv_scale, q_scale
@@ -150,26 +110,22 @@ class BoundOp(_SlotWidthCalls):
             self.buffers = []
             self.capacity = sys.maxsize
         else:
-            out_dtype = torch.float8_e4m3fn if q8 else dtype
-            self.buffers = [
-                pool.claim(
-                    num_heads,
-                    owner=self,  # told (invalidate) when the pool retires the buffer
-                    q_layout=layout.value,  # the live elements of a zero-once buffer depend on it
-                    padded_heads=p,
-                    head_dim=head_dim,
-                    dtype=out_dtype,
-                    micro_batch=mb,
-                    device=device,
-                )
-                for mb in range(micro_batches)
-            ]
+            self.buffers = pool.claim_micro_batches(  # all or none: a refused bind holds no claim
+                num_heads,
+                micro_batches,
+                owner=self,  # told (invalidate) when the pool retires the buffer
+                q_layout=layout.value,  # the live elements of a zero-once buffer depend on it
+                padded_heads=p,
+                head_dim=head_dim,
+                dtype=torch.float8_e4m3fn if q8 else dtype,
+                device=device,
+            )
             if q8:
                 self.buffers = [b.view(torch.uint8) for b in self.buffers]
             self.capacity = min(b.shape[0] for b in self.buffers)
             self.pool = pool
         # micro-batch -> (kernel's q_out, the views returned per token count, the buffer's byte range)
-        self._out = {mb: (b, {}, validate.byte_range(b)) for mb, b in enumerate(self.buffers)}
+        self._out = {mb: (b, {}, overlap.byte_range(b)) for mb, b in enumerate(self.buffers)}
         # what the last full check accepted: k_cache (and its byte range), cos_sin_cache (and its and
         # the scales' byte ranges, checked there against every buffer this op writes)
         self._k_cache, self._k_range, self._cos_sin_cache, self._fixed = None, (0, 0), None, ()
@@ -201,18 +157,23 @@ class BoundOp(_SlotWidthCalls):
 
     def _call(self, q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch):
         """__call__ in Python: the same checks as the native plan's, and the full check when needed."""
-        shape = q_in.shape
-        n, m = shape[0], slot_mapping.shape[0]
-        if (
-            m > n
-            or n > self.capacity
-            or shape[1] != self.h  # more heads than bound would write over the zero-once pads
-            or k_cache is not self._k_cache
-            or slot_mapping.dtype is not self._slot_dtype
-            or cos_sin_cache is not self._cos_sin_cache
-            or (n and not self._disjoint(q_in, kv, k_cache, slot_mapping, positions, n, m, micro_batch))
-        ):
+        try:
+            shape = q_in.shape
+            n, m = shape[0], slot_mapping.shape[0]
+            stale = (
+                m > n
+                or n > self.capacity
+                or shape[1] != self.h  # more heads than bound would write over the zero-once pads
+                or k_cache is not self._k_cache
+                or slot_mapping.dtype is not self._slot_dtype
+                or cos_sin_cache is not self._cos_sin_cache
+                or (n and not self._disjoint(q_in, kv, k_cache, slot_mapping, positions, n, m, micro_batch))
+            )
+        except (AttributeError, TypeError, IndexError):  # not tensors of the ranks a call takes
+            stale = True
+        if stale:
             self._full_check(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch)
+            n = q_in.shape[0]
             self._use_slot_dtype(slot_mapping.dtype)
             self._fast = self._native_call()
         if self.in_place:
@@ -279,9 +240,9 @@ class BoundOp(_SlotWidthCalls):
                 (pp, pp + 8 * n),
             )
             if self.in_place:
-                return validate.disjoint(qi, q_end, k0, k1, inputs + self._fixed)
+                return overlap.disjoint(qi, q_end, k0, k1, inputs + self._fixed)
             w0, w1 = self._out[micro_batch][2]
-            return validate.disjoint(w0, w1, k0, k1, inputs + ((qi, q_end),))
+            return overlap.disjoint(w0, w1, k0, k1, inputs + ((qi, q_end),))
         except (KeyError, AttributeError, TypeError, ValueError, IndexError):
             return False
 
@@ -295,10 +256,8 @@ class BoundOp(_SlotWidthCalls):
         if self._invalid is not None:
             raise ScratchError(f"this bound op can no longer be called: {self._invalid}")
         self._check_micro_batch(micro_batch)
-        if not isinstance(q_in, torch.Tensor) or q_in.dim() != 3 or q_in.shape[1] != self.h:
-            raise InputError(
-                f"q_in must be [N, {self.h}, {self.head_dim}] for this bound op, got {tuple(getattr(q_in, 'shape', ()))}"
-            )
+        check_bound_tensor("q_in", q_in, (None, self.h, self.head_dim), self.dtype)
+        check_bound_tensor("cos_sin_cache", cos_sin_cache, (None, self.rope_dim), torch.float32)
         n = q_in.shape[0]
         if self.in_place:
             q_out = q_in
@@ -317,133 +276,91 @@ class BoundOp(_SlotWidthCalls):
         )  # fmt: skip
         fixed = {"cos_sin_cache": cos_sin_cache, "kv_scale": self.kv_scale, "q_scale": self.q_scale}
         for b in self.buffers:  # every micro-batch's: the per-call check does not look at these again
-            validate.check_disjoint({"q_out": b}, fixed)
-        self._k_cache, self._k_range = k_cache, validate.byte_range(k_cache)
+            overlap.check_disjoint({"q_out": b}, fixed)
+        self._k_cache, self._k_range = k_cache, overlap.byte_range(k_cache)
         self._cos_sin_cache = cos_sin_cache
-        self._fixed = tuple(validate.byte_range(t) for t in fixed.values() if t is not None)
+        self._fixed = tuple(overlap.byte_range(t) for t in fixed.values() if t is not None)
 
 
-def bind(**kwargs) -> BoundOp:
-    """Bind qnorm_rope_kv_insert for one layer (see BoundOp for the arguments)."""
-    return BoundOp(**kwargs)
+def bind(
+    *,
+    num_heads: int,
+    padded_heads: int | None = None,
+    head_dim: int = 512,
+    rope_dim: int = 64,
+    cache_format: str = "fp8_ds_mla",
+    dtype: torch.dtype = torch.bfloat16,
+    block_size: int,
+    pool: ScratchPool | None = None,
+    micro_batches: int = 1,
+    eps: float = 1e-6,
+    kv_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
+    checked: bool = True,
+    numerics=None,
+    apply_q_norm: bool = True,
+    apply_q_rope: bool = True,
+    q_layout: str = "head_major",
+    device=None,
+    config: LaunchConfig | None = None,
+    runtime: Runtime | None = None,
+) -> BoundOp:
+    """Bind qnorm_rope_kv_insert to one layer (once per layer, at startup); call the result per step:
+    `q_out = op(q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, micro_batch=0)` (docs/op.md §3).
+
+    num_heads: H, the query heads of q_in. padded_heads: P >= H, the heads of q_out (None: H). With a
+    `pool`, q_out is a [N, P, D] view of the pool's zero-once buffer for this (P, D, dtype, device),
+    one per micro-batch (`micro_batches` of them); without one, Q is written in place into q_in (needs
+    P == H and no q_scale). head_dim, rope_dim: D and R. cache_format: the KV cache's format
+    (attn_prologue.FORMATS); block_size: tokens per cache page. dtype: the I/O dtype (bfloat16 or
+    float16). eps: the RMSNorm epsilon. kv_scale: the fp8_tensor format's one-element float32 scale;
+    q_scale: one-element float32, makes q_out float8_e4m3fn (the pool then holds an FP8 buffer).
+    checked: range-check slots and positions per row (counted in `op.errors`). numerics: the KV
+    path's parity choices (formats.Numerics or its string form; None: the format's defaults).
+    apply_q_norm / apply_q_rope False skip that Q step; q_layout "interleaved": FlashMLA's
+    chunk-interleaved q_out (P in 64, 128; needs a pool). device: a CUDA device (None: the current
+    one). config: force one LaunchConfig for every token count; runtime: a dispatch.Runtime instead
+    of the process-wide one.
+
+    Resolves the variant, loads its kernels (and runs a first-use self-test where it has one) and
+    claims the pool's buffers now: InputError / UnsupportedError / ScratchError here, before any
+    call. The call allocates nothing and is CUDA-graph capturable after its first eager call."""
+    return BoundOp(
+        num_heads=num_heads, padded_heads=padded_heads, head_dim=head_dim, rope_dim=rope_dim,
+        cache_format=cache_format, dtype=dtype, block_size=block_size, pool=pool, micro_batches=micro_batches,
+        eps=eps, kv_scale=kv_scale, q_scale=q_scale, checked=checked, numerics=numerics,
+        apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout, device=device, config=config,
+        runtime=runtime,
+    )  # fmt: skip
 
 
-class BoundKvOp(_SlotWidthCalls):
-    """kv_rope_insert bound to one layer's cache: the KV-only call (DeepSeek-V4.1 on SM100), the
-    compressed-cache writer (compress_ratio > 1) and, with norm_weight, the indexer-key writer."""
+def bind_kv(
+    *,
+    head_dim: int = 512,
+    rope_dim: int = 64,
+    cache_format: str = "fp8_ds_mla",
+    dtype: torch.dtype = torch.bfloat16,
+    block_size: int,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    kv_scale: torch.Tensor | None = None,
+    compress_ratio: int = 1,
+    checked: bool = True,
+    numerics=None,
+    device=None,
+    config: LaunchConfig | None = None,
+    runtime: Runtime | None = None,
+) -> BoundKvOp:
+    """Bind kv_rope_insert to one layer's cache; call the result per step:
+    `op(kv, k_cache, slot_mapping, positions, cos_sin_cache)` (docs/op.md §2, `kv_rope_insert`).
 
-    def __init__(
-        self,
-        *,
-        head_dim: int = 512,
-        rope_dim: int = 64,
-        cache_format: str = "fp8_ds_mla",
-        dtype: torch.dtype = torch.bfloat16,
-        block_size: int,
-        norm_weight: torch.Tensor | None = None,
-        eps: float = 1e-6,
-        kv_scale: torch.Tensor | None = None,
-        compress_ratio: int = 1,
-        checked: bool = True,
-        numerics=None,
-        device=None,
-        config: LaunchConfig | None = None,
-        runtime: Runtime | None = None,
-    ):
-        device = _bind_device(device, "bind_kv")
-        io = IoDtype.of_torch(dtype)
-        if io is None:
-            raise InputError(f"dtype must be bfloat16 or float16, got {dtype}")
-        validate.check_compress_ratio(cache_format, compress_ratio)
-        fmt = get_format(cache_format)
-        flags = fmt.numerics_flags(numerics)
-        if fmt.needs_tensor_scale and kv_scale is None:
-            raise InputError(f"cache format {cache_format} needs kv_scale")
-        rt = runtime or default_runtime()
-        op = Op.KV_NORM if norm_weight is not None else Op.KV
-        self._request, self._config, self._rt = Request(op, head_dim, rope_dim, cache_format, io), config, rt
-        self.device, self.block_size, self.cache_format, self.eps = (
-            device,
-            block_size,
-            cache_format,
-            float(eps),
-        )
-        self.norm_weight, self.kv_scale, self.compress_ratio = norm_weight, kv_scale, compress_ratio
-        # the caller's tensors (and the bound kv_scale), then what every call passes after them
-        self._lead = ops.leading(("kv", "norm_weight", *ops.KV_TENSORS[1:]) if norm_weight is not None
-                                 else ops.KV_TENSORS, kv_scale, None)  # fmt: skip
-        self._values = dict(
-            errors=rt.errors_buffer(device), block_size=block_size, checked=1 if checked else 0,
-            numerics=flags, compress_ratio=compress_ratio, **({"eps": self.eps} if norm_weight is not None else {}),
-        )  # fmt: skip
-        self._calls_by_dtype: dict = {}
-        self._launch_args = {}
-        self._use_slot_dtype(torch.int64)  # binds (and self-tests) now: UnsupportedError early
-        self._k_cache, self._k_range, self._fast = None, (0, 0), None
-        self._fixed = tuple(validate.byte_range(t) for t in (norm_weight, kv_scale) if t is not None)
-
-    def __call__(self, kv, k_cache, slot_mapping, positions, cos_sin_cache) -> None:
-        """Insert rows t < len(slot_mapping) (group-boundary rows only with compress_ratio > 1).
-        Checked per call: M <= rows of kv and of positions, overlap between k_cache and every input;
-        the whole argument list when k_cache or the slot-id dtype is not the last call's. The
-        compiled function checks the rest. The native plan does the same in C."""
-        fast = self._fast
-        if fast is not None and fast(kv, k_cache, slot_mapping, positions, cos_sin_cache):
-            return
-        m = slot_mapping.shape[0]
-        if (
-            m > kv.shape[0]
-            or m > positions.shape[0]
-            or k_cache is not self._k_cache
-            or slot_mapping.dtype is not self._slot_dtype
-            or (m and not self._disjoint(kv, k_cache, slot_mapping, positions, cos_sin_cache))
-        ):
-            self._full_check(kv, k_cache, slot_mapping, positions, cos_sin_cache)
-            self._use_slot_dtype(slot_mapping.dtype)
-            plan = ops.native_plan(
-                "bound_kv_plan", self._calls, self._slot_bits, k_cache,
-                self._k_range, self.norm_weight, self.kv_scale, self._fixed,
-            )  # fmt: skip
-            self._fast = None if plan is None else plan.bound_kv
-        if m == 0:
-            return
-        fn, tail = self._calls[min((m - 1).bit_length(), MAX_BUCKET_LOG2)]  # bucket_index(m), inlined
-        norm = () if self.norm_weight is None else (self.norm_weight,)
-        scale = () if self.kv_scale is None else (self.kv_scale,)
-        try:
-            fn(kv, *norm, k_cache, slot_mapping, positions, cos_sin_cache, *scale, *tail)
-        except Exception as exc:
-            self._full_check(kv, k_cache, slot_mapping, positions, cos_sin_cache)
-            raise InputError(f"kernel argument check failed: {exc}") from exc
-
-    def _disjoint(self, kv, k_cache, slot_mapping, positions, cos_sin_cache) -> bool:
-        """The per-call overlap check (M >= 1): k_cache, at the range its full check computed while its
-        data pointer is the same, is disjoint from kv, the ids, positions, cos_sin_cache and the bound
-        norm weight and scale. False sends the call to the full check, which raises if they overlap."""
-        try:
-            k0, k1 = self._k_range
-            ptr = ops.data_ptr
-            if ptr(k_cache) != k0:
-                return False
-            kp, sp, pp, cp = ptr(kv), ptr(slot_mapping), ptr(positions), ptr(cos_sin_cache)
-            inputs = (
-                (kp, kp + (kv.shape[0] - 1) * 2 * kv.stride()[0] + 2 * kv.shape[1]),
-                (sp, sp + slot_mapping.nbytes),
-                (pp, pp + 8 * positions.shape[0]),
-                (cp, cp + cos_sin_cache.nbytes),
-            )
-            return validate.disjoint(k0, k1, 0, 0, inputs + self._fixed)
-        except (AttributeError, TypeError, ValueError, IndexError):
-            return False
-
-    def _full_check(self, kv, k_cache, slot_mapping, positions, cos_sin_cache) -> None:
-        validate.check_kv(
-            kv, k_cache, slot_mapping, positions, cos_sin_cache, self.block_size, self.cache_format,
-            norm_weight=self.norm_weight, eps=self.eps, kv_scale=self.kv_scale, compress_ratio=self.compress_ratio,
-        )  # fmt: skip
-        self._k_cache, self._k_range = k_cache, validate.byte_range(k_cache)
-
-
-def bind_kv(**kwargs) -> BoundKvOp:
-    """Bind kv_rope_insert for one layer's cache (see BoundKvOp for the arguments)."""
-    return BoundKvOp(**kwargs)
+    head_dim, rope_dim: D and R; cache_format, block_size, dtype, kv_scale, checked, numerics, device,
+    config, runtime: as for `bind`. norm_weight: a [D] tensor in the I/O dtype: a weighted RMSNorm
+    (with `eps`) before RoPE (the indexer-key writer). compress_ratio r > 1: the compressed-cache
+    writer: only rows with (positions[t] + 1) % r == 0 are inserted, rotated at positions[t] // r * r.
+    Resolves and loads the kernels now (InputError / UnsupportedError here)."""
+    return BoundKvOp(
+        head_dim=head_dim, rope_dim=rope_dim, cache_format=cache_format, dtype=dtype, block_size=block_size,
+        norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, compress_ratio=compress_ratio, checked=checked,
+        numerics=numerics, device=device, config=config, runtime=runtime,
+    )  # fmt: skip

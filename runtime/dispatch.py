@@ -20,13 +20,16 @@ from pathlib import Path
 import torch
 
 from . import selftest, tuning
-from .errors import InputError, UnsupportedError
-from .jit.kernel_cache import KernelCache, KernelKey
+from .errors import AttnPrologueError, InputError, UnsupportedError
+from .jit.kernel_cache import KernelCache, KernelKey, KernelLoadError
 from .launch import LaunchConfig
 from .launcher import Launcher
 from .variants import ArchFamily, Request, Variant, arch_for_capability, find, generated
 
 MAX_BUCKET_LOG2 = 15  # token-count buckets 1, 2, 4, ... 32768 (larger counts use the last)
+# what the CPU implementations (the PyTorch reference behind the torch ops) skip, counted as the
+# kernels count it: one process-wide pair, whichever runtime is asked (errors_buffer("cpu"))
+CPU_ERRORS = torch.zeros(2, dtype=torch.int32)
 
 
 def bucket_index(n_tokens: int) -> int:
@@ -96,8 +99,13 @@ class Runtime:
             facts = self._devices[index] = self._read_facts(index)
         return facts
 
-    def errors_buffer(self, device: torch.device | int | None = None) -> torch.Tensor:
-        """Per-device int32[2] counters of rows skipped in checked mode: [kv rows, q tokens]."""
+    def errors_buffer(self, device: torch.device | str | int | None = None) -> torch.Tensor:
+        """Per-device int32[2] counters of rows skipped in checked mode: [kv rows, q tokens] (docs/op.md).
+        For a CPU device: the counters of the CPU implementations (CPU_ERRORS)."""
+        if isinstance(device, str):
+            device = torch.device(device)
+        if isinstance(device, torch.device) and device.type == "cpu":
+            return CPU_ERRORS
         index = _index(device)
         buf = self._errors.get(index)
         if buf is None:
@@ -196,10 +204,22 @@ class Runtime:
             with self._lock:
                 launcher = self._launchers.get(key)
                 if launcher is None:
-                    fn = self.cache.load(KernelKey(v.name, config, facts.target))
+                    fn = self._load(KernelKey(v.name, config, facts.target))
                     launcher = Launcher(v, config, facts.target, facts.index, fn, facts.sm_count)
                     self._launchers[key] = launcher
         return launcher
+
+    def _load(self, key: KernelKey):
+        """The cache's kernel for key; a failure of the file system under it (a miss in a read-only cache,
+        a cache that cannot be written) as a KernelLoadError naming the kernel."""
+        try:
+            return self.cache.load(key)
+        except AttnPrologueError:
+            raise
+        except OSError as exc:
+            raise KernelLoadError(
+                f"kernel {key.variant} [{key.config.key}] for {key.target} could not be loaded or built: {exc}"
+            ) from exc
 
     def launchers(
         self,

@@ -3,7 +3,8 @@
 Per call, after the key's dict hit, the shape's native plan (native/fastpath.h) does the checks
 below and the kernel call in C; where the native module is unavailable, the same checks run here
 in Python. Per call, the hot path does the checks the compiled function cannot (M <= N, N' >= N, P >= H, the
-cache's block size, a uint8 cache: TVM-FFI lets an int8 one through), the overlap check (what the
+cache's block size, a uint8 cache: TVM-FFI lets an int8 one through; a cache with blocks and a rope
+table with rows), the overlap check (what the
 call writes against itself and every input, on byte ranges), a dict hit for the shape's launchers
 and one call. TVM-FFI itself checks dtypes, ranks, D, strides, 16-byte alignment,
 devices and equal row counts of q_in, kv and positions (one symbolic token count in the compiled
@@ -17,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import native, validate
+from . import native, overlap, validate
 from .dispatch import MAX_BUCKET_LOG2, Runtime, default_runtime
 from .errors import InputError
 from .formats import Numerics, get_format
@@ -72,7 +73,7 @@ data_ptr = torch.Tensor.data_ptr  # unbound: anything but a tensor raises TypeEr
 # The per-call overlap checks below compute each argument's [start, end) bytes from its data pointer,
 # row count and row stride, in the layout the compiled function accepts (unit inner strides, compact
 # ids, tables and scales): a call in another layout is refused by that function before it launches,
-# so for every launched call these are the ranges validate.check_disjoint computes. They are read on
+# so for every launched call these are the ranges overlap.check_disjoint computes. They are read on
 # every call rather than cached per argument: proving a tensor unchanged costs as many reads (version
 # counters do not exist for inference tensors, `.data =` bumps none) and q_in, kv are new every call.
 
@@ -81,26 +82,28 @@ def qkv_disjoint(
     q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale,
     n, h, d, n_out, p, m, kb, kw, need,
 ) -> bool:  # fmt: skip
-    """What check_qkv checks of overlap, for n >= 1 tokens: q_out's rows and k_cache's pages apart,
-    and q_out and k_cache disjoint from each other and from every input (q_in too, unless it is
-    q_out: in place, P == H)."""
+    """What check_qkv checks of overlap, for any n: q_out's rows and k_cache's pages apart, and q_out
+    and k_cache disjoint from each other and from every input (q_in too, unless it is q_out: in
+    place, P == H). False also for a cos_sin_cache without rows (the validation's refusal)."""
     qo, s_qo, kc, s_kc = data_ptr(q_out), q_out.stride()[0], data_ptr(k_cache), k_cache.stride()[0]
-    if (n_out > 1 and s_qo < p * d) or (kb > 1 and s_kc < need):
+    cb = cos_sin_cache.nbytes
+    if (n_out > 1 and s_qo < p * d) or (kb > 1 and s_kc < need) or not cb:  # (no table rows: refused too)
         return False
     qi, s_qi, kp = data_ptr(q_in), q_in.stride()[0], data_ptr(kv)
     sp, pp, cp = data_ptr(slot_mapping), data_ptr(positions), data_ptr(cos_sin_cache)
+    # rows' ranges: [start, start + (rows - 1) * row stride + row bytes), empty for no rows
     inputs = (
-        (kp, kp + (n - 1) * 2 * kv.stride()[0] + 2 * d),
+        (kp, kp + (n - 1) * 2 * kv.stride()[0] + 2 * d if n else kp),
         (sp, sp + slot_mapping.nbytes),
         (pp, pp + 8 * n),
-        (cp, cp + cos_sin_cache.nbytes),
+        (cp, cp + cb),
     )
     if not (p == h and qi == qo and s_qi == s_qo):
-        inputs += ((qi, qi + (n - 1) * 2 * s_qi + 2 * h * d),)
+        inputs += ((qi, qi + (n - 1) * 2 * s_qi + 2 * h * d if n else qi),)
     if kv_scale is not None or q_scale is not None:
         inputs += scale_ranges(kv_scale, q_scale)
-    q_end = qo + ((n_out - 1) * s_qo + p * d) * (1 if q_scale is not None else 2)
-    return validate.disjoint(qo, q_end, kc, kc + (kb - 1) * s_kc + kw if kb else kc, inputs)
+    q_end = qo + ((n_out - 1) * s_qo + p * d) * (1 if q_scale is not None else 2) if n_out else qo
+    return overlap.disjoint(qo, q_end, kc, kc + (kb - 1) * s_kc + kw, inputs)  # (kb >= 1: checked before)
 
 
 def scale_ranges(*scales) -> tuple:
@@ -111,24 +114,25 @@ def scale_ranges(*scales) -> tuple:
 def kv_disjoint(
     kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, m, d, ms, n_pos, kb, kw, need
 ) -> bool:
-    """What check_kv checks of overlap, for a call that launches (ms >= 1 slots): k_cache's pages
-    apart and k_cache disjoint from every input (kv [m, D], positions [n_pos], norm_weight [D])."""
-    kc, s_kc = data_ptr(k_cache), k_cache.stride()[0]
-    if kb > 1 and s_kc < need:
+    """What check_kv checks of overlap, for any number of slots ms: k_cache's pages apart and k_cache
+    disjoint from every input (kv [m, D], positions [n_pos], norm_weight [D]). False also for a
+    cos_sin_cache without rows."""
+    kc, s_kc, cb = data_ptr(k_cache), k_cache.stride()[0], cos_sin_cache.nbytes
+    if (kb > 1 and s_kc < need) or not cb:  # (no table rows: refused too)
         return False
     kp, sp, pp, cp = data_ptr(kv), data_ptr(slot_mapping), data_ptr(positions), data_ptr(cos_sin_cache)
     inputs = (
-        (kp, kp + (m - 1) * 2 * kv.stride()[0] + 2 * d),
+        (kp, kp + (m - 1) * 2 * kv.stride()[0] + 2 * d if m else kp),
         (sp, sp + slot_mapping.nbytes),
         (pp, pp + 8 * n_pos),
-        (cp, cp + cos_sin_cache.nbytes),
+        (cp, cp + cb),
     )
     if norm_weight is not None:
         w = data_ptr(norm_weight)
         inputs += ((w, w + 2 * d),)
     if kv_scale is not None:
         inputs += scale_ranges(kv_scale)
-    return validate.disjoint(kc, kc + (kb - 1) * s_kc + kw if kb else kc, 0, 0, inputs)
+    return overlap.disjoint(kc, kc + (kb - 1) * s_kc + kw, 0, 0, inputs)  # (kb >= 1: checked before)
 
 
 def _conversions(conversions: str | Conversions | None) -> Conversions | None:
@@ -173,6 +177,7 @@ def qnorm_rope_kv_insert(
     format's defaults). `apply_q_norm` / `apply_q_rope` False skip that Q step; `q_layout`
     "interleaved" writes FlashMLA's chunk-interleaved Q (variants.QLayout). Slot ids int64 or int32."""
     if torch.compiler.is_compiling() or not (runtime or getattr(q_in, "is_cuda", True)):
+        check_scalar_types(eps, block_size)
         torch.ops.attn_prologue.qnorm_rope_kv_insert(
             q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size, cache_format,
             kv_scale, q_scale, numerics_text(numerics), apply_q_norm, apply_q_rope, q_layout,
@@ -195,8 +200,8 @@ def qnorm_rope_kv_insert(
         nwh = p if write_pad_heads else h
         key = fp.qkv_key(*args) if fp is not None else (
             q_in.get_device(), q_in.dtype, cache_format, d, h, nwh, cos_sin_cache.shape[1], kv_scale is not None,
-            q_scale is not None, eps, block_size, checked, numerics, apply_q_norm, apply_q_rope, q_layout,
-            slot_mapping.dtype, config, conversions)  # fmt: skip
+            q_scale is not None, type(eps), type(block_size), eps, block_size, checked, numerics, apply_q_norm,
+            apply_q_rope, q_layout, slot_mapping.dtype, config, conversions)  # fmt: skip
         shape = rt.calls[key]
         if shape.native is not None:
             raise LookupError  # its plan refused the call: the full validation below says why
@@ -207,12 +212,13 @@ def qnorm_rope_kv_insert(
             and p >= h
             and type(block_size) is int
             and block_size > 0
+            and kb > 0
             and kw >= (need := block_size * shape.bytes_per_token)
             and eps >= 0
             and k_cache.dtype is torch.uint8  # the compiled function accepts an int8 cache (same width)
             and (kv_scale is not None) == shape.needs_kv_scale
-            and (n == 0 or qkv_disjoint(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache,
-                                        kv_scale, q_scale, n, h, d, n_out, p, m, kb, kw, need))
+            and qkv_disjoint(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale,
+                             q_scale, n, h, d, n_out, p, m, kb, kw, need)
         )  # fmt: skip
     except (LookupError, AttributeError, TypeError, ValueError):
         ok = False
@@ -284,6 +290,7 @@ def kv_rope_insert(
     mode run here (returning the shape's ShapeCalls); CPU tensors and traced calls go through
     torch.ops.attn_prologue.kv_rope_insert, as for qnorm_rope_kv_insert."""
     if torch.compiler.is_compiling() or not (runtime or getattr(kv, "is_cuda", True)):
+        check_scalar_types(eps, block_size)
         torch.ops.attn_prologue.kv_rope_insert(
             kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, cache_format, norm_weight, eps,
             kv_scale, numerics_text(numerics), compress_ratio,
@@ -304,7 +311,8 @@ def kv_rope_insert(
         m, d = kv.shape
         key = fp.kv_key(*args) if fp is not None else (
             kv.get_device(), kv.dtype, cache_format, d, cos_sin_cache.shape[1], bool(norm), kv_scale is not None,
-            eps, block_size, checked, numerics, compress_ratio, slot_mapping.dtype, config, conversions)  # fmt: skip
+            type(eps), type(block_size), eps, block_size, checked, numerics, compress_ratio, slot_mapping.dtype,
+            config, conversions)  # fmt: skip
         shape = rt.calls[key]
         if shape.native is not None:
             raise LookupError
@@ -314,12 +322,13 @@ def kv_rope_insert(
             and ms <= n_pos
             and type(block_size) is int
             and block_size > 0
+            and kb > 0
             and kw >= (need := block_size * shape.bytes_per_token)
             and eps >= 0
             and k_cache.dtype is torch.uint8
             and (kv_scale is not None) == shape.needs_kv_scale
-            and (ms == 0 or kv_disjoint(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache,
-                                        kv_scale, m, d, ms, n_pos, kb, kw, need))
+            and kv_disjoint(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, m, d,
+                            ms, n_pos, kb, kw, need)
         )  # fmt: skip
     except (LookupError, AttributeError, TypeError, ValueError):
         ok = False
@@ -359,6 +368,15 @@ def kv_rope_insert(
         )  # fmt: skip
         raise InputError(f"kernel argument check failed: {exc}") from exc
     return shape
+
+
+def check_scalar_types(eps, block_size) -> None:
+    """What the torch ops' schema would convert (a bool block_size to 1) or refuse untyped (a float
+    one), refused here first; their values are checked by the validation behind the op."""
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, torch.SymInt)):
+        raise InputError(f"block_size must be a positive int, got {block_size!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (float, int, torch.SymFloat)):
+        raise InputError(f"eps must be a finite, non-negative float, got {eps!r}")
 
 
 def numerics_text(numerics) -> str:

@@ -76,10 +76,12 @@ class ScratchPool:
         """Allocate (zeroed) buffers for `micro_batches` micro-batches; returns the bytes added. On a
         CUDA device it also has the runtime make what a first bind there needs (error counters, the
         self-test's buffers, under 2 MB), so binds after lock() allocate nothing."""
-        if max_tokens <= 0 or padded_heads <= 0 or head_dim <= 0 or micro_batches <= 0:
+        sizes = dict(
+            max_tokens=max_tokens, padded_heads=padded_heads, head_dim=head_dim, micro_batches=micro_batches
+        )
+        if any(type(v) is not int or v <= 0 for v in sizes.values()):
             raise ScratchError(
-                f"reserve needs positive sizes, got max_tokens={max_tokens}, padded_heads={padded_heads}, "
-                f"head_dim={head_dim}, micro_batches={micro_batches}"
+                "reserve needs positive int sizes, got " + ", ".join(f"{k}={v!r}" for k, v in sizes.items())
             )
         added = 0
         with self._lock:
@@ -146,24 +148,29 @@ class ScratchPool:
         self,
         live_heads: int,
         *,
+        padded_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        micro_batch: int = 0,
+        device=None,
         owner=None,
         q_layout: str = "head_major",
         writes_pads: bool = False,
-        **key,
     ) -> torch.Tensor:
-        """Bind a live-head count and Q layout to a buffer (zero-once): every kernel writing it must use
-        the same H and layout, or the pad elements would keep another writer's values instead of
-        zeros. `writes_pads=True` claims it instead for writers that store all P heads on every call
-        (pads as zeros): any H and layout, but then no zero-once claim. `owner` (a bound op) is told
-        through `owner.invalidate(reason)` when the buffer is released or replaced."""
-        k = self._key(
-            key.get("device"),
-            key.get("micro_batch", 0),
-            key.get("dtype", torch.bfloat16),
-            key["padded_heads"],
-            key["head_dim"],
+        """Bind a live-head count and Q layout to the buffer reserved for (micro_batch, dtype,
+        padded_heads, head_dim, device) (zero-once): every kernel writing it must use the same H and
+        layout, or the pad elements would keep another writer's values instead of zeros.
+        `writes_pads=True` claims it instead for writers that store all P heads on every call (pads
+        as zeros): any H and layout, but then no zero-once claim. `owner` (a bound op) is told through
+        `owner.invalidate(reason)` when the buffer is released or replaced. Returns the buffer."""
+        if type(live_heads) is not int or not 0 < live_heads <= padded_heads:
+            raise ScratchError(
+                f"live_heads must be an int in [1, padded_heads={padded_heads}], got {live_heads!r}"
+            )
+        k = self._key(device, micro_batch, dtype, padded_heads, head_dim)
+        self.buffer(
+            padded_heads=padded_heads, head_dim=head_dim, dtype=dtype, micro_batch=micro_batch, device=device
         )
-        self.buffer(**key)
         buf = self._buffers[k]
         if writes_pads:
             if buf.live_heads is not None:
@@ -189,6 +196,28 @@ class ScratchPool:
             buf.claimants.add(owner)
         return buf.tensor
 
+    def claim_micro_batches(self, live_heads: int, micro_batches: int, **claim) -> list[torch.Tensor]:
+        """claim() of micro-batches 0 .. micro_batches - 1 (the other arguments as claim's), all or
+        none: when one is refused, the buffers already claimed are left as they were."""
+        was = []  # (buffer, live_heads, q_layout, pads_written, owner among its claimants) before
+        owner = claim.get("owner")
+        try:
+            out = []
+            for mb in range(micro_batches):
+                key = self._key(claim.get("device"), mb, claim.get("dtype", torch.bfloat16),
+                                claim["padded_heads"], claim["head_dim"])  # fmt: skip
+                buf = self._buffers.get(key)
+                if buf is not None:
+                    was.append((buf, buf.live_heads, buf.q_layout, buf.pads_written, owner in buf.claimants))
+                out.append(self.claim(live_heads, micro_batch=mb, **claim))
+            return out
+        except BaseException:
+            for buf, heads, layout, pads, claimed in was:
+                buf.live_heads, buf.q_layout, buf.pads_written = heads, layout, pads
+                if owner is not None and not claimed:
+                    buf.claimants.discard(owner)
+            raise
+
     def view(
         self,
         n_tokens: int,
@@ -200,6 +229,8 @@ class ScratchPool:
         device=None,
     ) -> torch.Tensor:
         """q_out for n_tokens rows: a view of the reserved buffer (cached per size, no allocation)."""
+        if type(n_tokens) is not int or n_tokens < 0:
+            raise ScratchError(f"n_tokens must be an int >= 0, got {n_tokens!r}")
         key = self._key(device, micro_batch, dtype, padded_heads, head_dim)
         buf = self._buffers.get(key)
         if buf is None or buf.tensor.shape[0] < n_tokens:

@@ -11,6 +11,15 @@ than `torch.library.custom_op`, whose Python wrapper costs about twice the dispa
 the package-level functions still call the kernels directly in eager mode and go through torch.ops
 only while compiling.
 
+The fake implementations check what fake tensors still show while torch.compile traces: which
+storage each argument is a view of, its offset and strides, so the overlap rules (overlap.py) hold
+under every backend, also where the compiled graph runs the op on copies of the written buffers
+(aot_eager) or cannot run it at all (inductor, on inputs aliased across dtypes). Called eagerly on
+real meta tensors they refuse (nothing would be written).
+
+The CPU implementations count the rows they skip as the kernels' checked mode does (docs/op.md):
+into the process-wide CPU counters, `Runtime.errors_buffer("cpu")`.
+
 The CUDA kernels: where `attn-prologue build` built native/torch_ops.cpp for this torch, C++ (the
 dispatcher reaches compiled code: the shape's native plan, as the one-call functions use it); else
 the Python functions below. The C++ kernels take a miss or a refused call to `*_slow` (Python: the
@@ -26,7 +35,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from . import native, ops, reference, validate
+from . import dispatch, native, ops, overlap, reference, validate
 from .errors import AttnPrologueError, InputError
 from .formats import get_format
 
@@ -56,13 +65,80 @@ _pinned: dict = {}  # plans handed to the C++ kernels, by address: kept alive fo
 SLOW_CALLS: collections.Counter = collections.Counter()
 
 
+class TracedInputError(InputError, IndexError):
+    """An InputError found while torch.compile traces the op (fake tensors). Also an IndexError: dynamo
+    re-raises that as it is from fake-tensor propagation and wraps every other exception in an untyped
+    TorchRuntimeError (torch 2.13, torch/_dynamo/utils.py run_node and convert_frame.py)."""
+
+
+def reference_qkv(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla",
+                  *, kv_scale=None, q_scale=None, numerics="", apply_q_norm=True, apply_q_rope=True,
+                  q_layout="head_major", write_pad_heads=True) -> None:  # fmt: skip
+    """The CPU form of qnorm_rope_kv_insert: the validation the kernels get, the PyTorch reference,
+    and the count of skipped rows."""
+    validate.check_qkv(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format,
+                       q_scale=q_scale, kv_scale=kv_scale, q_layout=q_layout)  # fmt: skip
+    num = get_format(cache_format).resolve_numerics(numerics)  # NumericsError before anything is written
+    reference.qnorm_rope_kv_insert(
+        q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale,
+        q_scale=q_scale, numerics=num, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout,
+        write_pad_heads=write_pad_heads,
+    )  # fmt: skip
+    count_skipped(slots, positions, k_cache, cos_sin, block_size, q_tokens=q_in.shape[0])
+
+
+def reference_kv(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", *,
+                 norm_weight=None, eps=1e-6, kv_scale=None, numerics="", compress_ratio=1) -> None:  # fmt: skip
+    """The CPU form of kv_rope_insert (as reference_qkv)."""
+    validate.check_kv(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight,
+                      eps=eps, kv_scale=kv_scale, compress_ratio=compress_ratio)  # fmt: skip
+    num = get_format(cache_format).resolve_numerics(numerics)
+    reference.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format,
+                             norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=num,
+                             compress_ratio=compress_ratio)  # fmt: skip
+    count_skipped(slots, positions, k_cache, cos_sin, block_size, q_tokens=0)
+
+
+def count_skipped(slots, positions, k_cache, cos_sin, block_size, *, q_tokens: int) -> None:
+    """What the kernels count in checked mode: errors[0] += KV rows with a slot >= 0 not written (slot
+    past the cache, or position outside cos_sin_cache), errors[1] += Q tokens (of the first q_tokens)
+    written as zeros (position outside cos_sin_cache)."""
+    safe, _, pos_ok = reference.in_bounds(slots, positions, k_cache, cos_sin, block_size)
+    errors = dispatch.CPU_ERRORS
+    errors[0] += int(((slots >= 0) & (safe < 0)).sum())
+    if q_tokens:
+        errors[1] += int((~pos_ok[:q_tokens]).sum())
+
+
+def lazy_bits_kernel(op: torch._ops.OpOverload):
+    """op's kernel at the Negative and Conjugate dispatch keys, which a call reaches only when an argument
+    is a lazily negated or conjugated view: refuse it, as the validation of the kernel path does (torch's
+    own fallback would resolve an input by a copy, and fails untyped on a written argument)."""
+    names = [a.name for a in op._schema.arguments]
+
+    def kernel(*args):
+        for name, t in zip(names, args):
+            if isinstance(t, Tensor) and (t.is_neg() or t.is_conj()):
+                validate.refuse_lazy_view(name, t)
+
+    return kernel
+
+
+def check_traced(check, **tensors) -> None:
+    """What a fake implementation checks: real meta tensors are refused (called eagerly, it would be
+    a silent no-op); on fake tensors `check(**tensors)` (overlap.check_qkv / check_kv) runs, its
+    InputError raised as a TracedInputError."""
+    refuse_meta(**tensors)
+    try:
+        check(**tensors)
+    except InputError as exc:
+        raise TracedInputError(str(exc)) from None
+
+
 # The implementations take the schema's arguments in its order (the dispatcher passes them all).
 # fmt: off
 def _qkv_cpu(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, numerics="", apply_q_norm=True, apply_q_rope=True, q_layout="head_major"):
-    """The PyTorch reference, after the validation the kernels get."""
-    validate.check_qkv(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, q_scale=q_scale, kv_scale=kv_scale, q_layout=q_layout)
-    num = get_format(cache_format).resolve_numerics(numerics)  # NumericsError before anything is written
-    reference.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=num, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout)
+    reference_qkv(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format, kv_scale=kv_scale, q_scale=q_scale, numerics=numerics, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout)
 
 
 def _qkv_run(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, numerics="", apply_q_norm=True, apply_q_rope=True, q_layout="head_major"):
@@ -79,14 +155,12 @@ def _qkv_slow(*args, **kwargs):
     return _plan_address(_qkv_run(*args, **kwargs))
 
 
-def _qkv_fake(q_in, *_):
-    refuse_meta(q_in)
+def _qkv_fake(q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, cache_format="fp8_ds_mla", kv_scale=None, q_scale=None, *_):
+    check_traced(overlap.check_qkv, q_in=q_in, kv=kv, q_out=q_out, k_cache=k_cache, slot_mapping=slots, positions=positions, cos_sin_cache=cos_sin, kv_scale=kv_scale, q_scale=q_scale)
 
 
 def _kv_cpu(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, numerics="", compress_ratio=1):
-    validate.check_kv(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, compress_ratio=compress_ratio)
-    num = get_format(cache_format).resolve_numerics(numerics)
-    reference.kv_rope_insert(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=num, compress_ratio=compress_ratio)
+    reference_kv(kv, k_cache, slots, positions, cos_sin, block_size, cache_format, norm_weight=norm_weight, eps=eps, kv_scale=kv_scale, numerics=numerics, compress_ratio=compress_ratio)
 
 
 def _kv_run(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, numerics="", compress_ratio=1):
@@ -102,8 +176,8 @@ def _kv_slow(*args, **kwargs):
     return _plan_address(_kv_run(*args, **kwargs))
 
 
-def _kv_fake(kv, *_):
-    refuse_meta(kv)
+def _kv_fake(kv, k_cache, slots, positions, cos_sin, block_size, cache_format="fp8_ds_mla", norm_weight=None, eps=1e-6, kv_scale=None, *_):
+    check_traced(overlap.check_kv, kv=kv, norm_weight=norm_weight, k_cache=k_cache, slot_mapping=slots, positions=positions, cos_sin_cache=cos_sin, kv_scale=kv_scale)
 # fmt: on
 
 
@@ -123,6 +197,8 @@ for _name, _cpu, _cuda, _slow, _fake in (
     _library.impl(f"{_name}_slow", _slow, "CUDA")
     for _op in (_name, f"{_name}_slow"):  # not differentiable: autograd passes through (no boxed fallback)
         _library.impl(_op, torch.library.fallthrough_kernel, "Autograd")
+    for _key in ("Negative", "Conjugate"):
+        _library.impl(_name, lazy_bits_kernel(getattr(torch.ops.attn_prologue, _name).default), _key)
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=_library)
 
 
@@ -146,13 +222,16 @@ def cuda_kernels() -> str:
     return "Python" if _python_cuda is not None else "C++"
 
 
-def refuse_meta(t: Tensor) -> None:
-    """The fake implementation traces (outputs are caller-owned: nothing to compute). Called eagerly
-    on real meta tensors it would be a silent no-op that looks like success: refuse that."""
-    if t.device.type == "meta" and not is_fake(t):
-        raise InputError(
-            "attn_prologue ops need CPU or CUDA tensors, got meta tensors (nothing would be written)"
-        )
+def refuse_meta(**tensors) -> None:
+    """The fake implementations trace (outputs are caller-owned: nothing to compute). Called eagerly
+    on real meta tensors (any argument: the dispatcher picks the meta kernel for a mix) they would be
+    a silent no-op that looks like success: refuse that, naming the argument."""
+    for name, t in tensors.items():
+        if isinstance(t, Tensor) and t.device.type == "meta" and not is_fake(t):
+            raise InputError(
+                f"{name} is a meta tensor: attn_prologue ops take CPU or CUDA tensors (a meta tensor holds "
+                "no data: nothing would be written)"
+            )
 
 
 try:  # the C++ CUDA kernels, where `attn-prologue build` built them for this torch

@@ -7,8 +7,11 @@ typed InputError / UnsupportedError naming the argument and what it must be.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from . import overlap
 from .errors import InputError, UnsupportedError
 from .formats import get_format
 from .variants import (
@@ -31,11 +34,44 @@ def _fail(msg: str):
     raise InputError(msg)
 
 
-def _check_cuda(name: str, t: torch.Tensor, device: torch.device) -> None:
+def _check_tensor(name: str, t, device: torch.device) -> None:
+    """A tensor on the call's device whose stored bits are its values."""
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device != device:
-        _fail(f"{name} is on {t.device}, expected {device} (all tensors must be on the same CUDA device)")
+        _fail(f"{name} is on {t.device}, expected {device} (every tensor of a call must be on one device)")
+    if t.is_neg() or t.is_conj():
+        refuse_lazy_view(name, t)
+
+
+def refuse_lazy_view(name: str, t: torch.Tensor):
+    """InputError for a lazily negated or conjugated view: its stored bits are not its values."""
+    lazy, fix = ("negated", "resolve_neg") if t.is_neg() else ("conjugated", "resolve_conj")
+    _fail(
+        f"{name} is a lazily {lazy} view (its stored bits are not its values, and the kernels read and "
+        f"write stored bits): pass a tensor without the bit, e.g. {name}.{fix}()"
+    )
+
+
+def _check_device(name: str, t: torch.Tensor) -> torch.device:
+    """The call's device (that of its first tensor): CUDA (the kernels) or CPU (the reference)."""
+    if t.device.type not in ("cuda", "cpu"):
+        held = " (meta tensors hold no data: nothing would be written)" if t.device.type == "meta" else ""
+        _fail(
+            f"{name} is on {t.device}: the ops take CUDA tensors, or CPU tensors (the PyTorch reference){held}"
+        )
+    return t.device
+
+
+def check_eps(eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not 0 <= eps < math.inf:
+        _fail(f"eps must be a finite, non-negative float, got {eps!r}")
+
+
+def check_positive_int(name: str, value) -> None:
+    """A count or size: a Python int > 0 (not a bool, a float or a NumPy integer)."""
+    if type(value) is not int or value <= 0:
+        _fail(f"{name} must be a positive int, got {value!r}")
 
 
 def _check_aligned(name: str, t: torch.Tensor, align: int) -> None:
@@ -57,42 +93,6 @@ def _check_rows(name: str, t: torch.Tensor, ndim: int, head_dim: int, dtype) -> 
     if t.shape[0] > 1 and t.stride(0) % 8:
         _fail(f"{name} row stride {t.stride(0)} must be a multiple of 8 elements (16 bytes)")
     _check_aligned(name, t, 16)
-
-
-def byte_range(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last) bytes a tensor's elements can touch (from its shape and strides)."""
-    if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
-    span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) + 1
-    return t.data_ptr(), t.data_ptr() + span * t.element_size()
-
-
-def check_disjoint(written: dict, inputs: dict) -> None:
-    """InputError if a buffer the op writes overlaps another written buffer or any input: the
-    kernels read inputs while writing outputs, so an overlap gives bytes that depend on the schedule."""
-    ranges = {n: byte_range(t) for n, t in {**written, **inputs}.items() if isinstance(t, torch.Tensor)}
-    names = list(written)
-    for i, a in enumerate(names):
-        for b in names[i + 1 :] + [n for n in inputs if n in ranges]:
-            (a0, a1), (b0, b1) = ranges[a], ranges[b]
-            if a0 < b1 and b0 < a1:
-                _fail(
-                    f"{a} overlaps {b} in memory: the buffers the op writes must not overlap each other or its inputs"
-                )
-
-
-def disjoint(w0: int, w1: int, v0: int, v1: int, inputs: tuple[tuple[int, int], ...]) -> bool:
-    """Whether the written byte ranges [w0, w1) and [v0, v1) intersect neither each other nor any
-    (start, end) range of `inputs` (which may overlap each other: they are only read); (0, 0) stands
-    for no second written buffer. The fast paths' per-call form of check_disjoint, on ints: they pass
-    the ranges byte_range gives (ops.py says how), so the verdict is check_disjoint's; a call it
-    refuses goes to the full validation, which names the arguments."""
-    if w0 < v1 and v0 < w1:
-        return False
-    for a0, a1 in inputs:
-        if a0 < w1 and w0 < a1 or a0 < v1 and v0 < a1:
-            return False
-    return True
 
 
 def check_supported(request: Request) -> None:
@@ -128,7 +128,7 @@ def check_common(
         ("positions", positions),
         ("cos_sin_cache", cos_sin_cache),
     ):
-        _check_cuda(name, t, device)
+        _check_tensor(name, t, device)
     _check_rows("kv", kv, 2, head_dim, io_dtype)
     if (
         slot_mapping.dtype not in SLOT_DTYPES
@@ -157,16 +157,19 @@ def check_common(
         _fail(
             f"cos_sin_cache must be float32 [max_pos, {rope_dim}], got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}"
         )
+    if cos_sin_cache.shape[0] == 0:
+        _fail("cos_sin_cache has no rows: every position would be out of range")
     if not cos_sin_cache.is_contiguous():
         _fail("cos_sin_cache must be contiguous")
     _check_aligned("cos_sin_cache", cos_sin_cache, 16)
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-        _fail(f"block_size must be a positive int, got {block_size!r}")
+    check_positive_int("block_size", block_size)
     if k_cache.dtype != torch.uint8 or k_cache.dim() != 2:
         _fail(
             f"k_cache must be a 2-D uint8 view [num_blocks, block_bytes], got {k_cache.dtype} {tuple(k_cache.shape)}"
         )
-    if k_cache.shape[0] > 0 and (k_cache.stride(1) != 1 or (k_cache.shape[0] > 1 and k_cache.stride(0) % 16)):
+    if k_cache.shape[0] == 0:
+        _fail("k_cache has no blocks (shape (0, ...)): no slot could be written")
+    if k_cache.stride(1) != 1 or (k_cache.shape[0] > 1 and k_cache.stride(0) % 16):
         _fail(
             f"k_cache must have byte stride 1 and a block stride that is a multiple of 16, got strides {k_cache.stride()}"
         )
@@ -181,12 +184,14 @@ def check_common(
     _check_aligned("k_cache", k_cache, 16)
     if fmt.needs_tensor_scale:
         if kv_scale is None:
-            _fail(f"cache format {cache_format} needs kv_scale (a float32 CUDA tensor with one element)")
+            _fail(
+                f"cache format {cache_format} needs kv_scale (a float32 tensor with one element on {device})"
+            )
         _check_scale("kv_scale", kv_scale, device)
     elif kv_scale is not None:
         _fail(f"cache format {cache_format} takes no kv_scale")
     if norm_weight is not None:
-        _check_cuda("norm_weight", norm_weight, device)
+        _check_tensor("norm_weight", norm_weight, device)
         if (
             norm_weight.dtype != io_dtype
             or norm_weight.shape != (head_dim,)
@@ -199,7 +204,7 @@ def check_common(
 
 
 def _check_scale(name: str, t, device) -> None:
-    _check_cuda(name, t, device)
+    _check_tensor(name, t, device)
     if t.dtype != torch.float32 or t.numel() != 1:
         _fail(f"{name} must be a float32 tensor with one element, got {t.dtype} {tuple(t.shape)}")
 
@@ -224,7 +229,8 @@ def check_qkv(
     layout = check_q_layout(q_layout)
     if not isinstance(q_in, torch.Tensor):
         _fail(f"q_in must be a torch.Tensor, got {type(q_in).__name__}")
-    device = q_in.device
+    device = _check_device("q_in", q_in)
+    _check_tensor("q_in", q_in, device)
     io = IoDtype.of_torch(q_in.dtype)
     if io is None:
         _fail(f"q_in dtype must be bfloat16 or float16, got {q_in.dtype}")
@@ -237,7 +243,7 @@ def check_qkv(
         else -1
     )
     _check_rows("q_in", q_in, 3, d, q_in.dtype)
-    _check_cuda("q_out", q_out, device)
+    _check_tensor("q_out", q_out, device)
     out_dtype = FP8 if q_scale is not None else q_in.dtype
     if q_out.dtype != out_dtype:
         hint = " (an FP8 q_out needs q_scale)" if q_out.dtype == FP8 else ""
@@ -256,21 +262,13 @@ def check_qkv(
     ):
         _fail(f"q_out must be [N', P, D] with rows contiguous and apart (strides {q_out.stride()})")
     _check_aligned("q_out", q_out, 16)
-    if (
-        q_out.untyped_storage().data_ptr() == q_in.untyped_storage().data_ptr()
-        and q_out.numel()
-        and q_in.numel()
-    ):
-        if p != h or q_out.data_ptr() != q_in.data_ptr() or q_out.stride() != q_in.stride():
-            _fail("q_out may alias q_in only when it is the same tensor (in place, P == H)")
     if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[0] != n:
         _fail(
             f"kv must be [N, D] with one row per token: got {tuple(getattr(kv, 'shape', ()))} for {n} tokens of q_in"
         )
     if q_scale is not None:
         _check_scale("q_scale", q_scale, device)
-    if not isinstance(eps, (float, int)) or not eps >= 0:
-        _fail(f"eps must be a non-negative float, got {eps!r}")
+    check_eps(eps)
     if layout is QLayout.INTERLEAVED:
         if p not in INTERLEAVED_PADDED_HEADS:
             _fail(
@@ -297,10 +295,7 @@ def check_qkv(
         n_tokens=n,
         kv_scale=kv_scale,
     )
-    in_place = q_out.data_ptr() == q_in.data_ptr() and q_out.stride() == q_in.stride() and p == h
-    inputs = {"kv": kv, "slot_mapping": slot_mapping, "positions": positions, "cos_sin_cache": cos_sin_cache,
-              "kv_scale": kv_scale, "q_scale": q_scale}  # fmt: skip
-    check_disjoint({"q_out": q_out, "k_cache": k_cache}, inputs if in_place else {"q_in": q_in, **inputs})
+    overlap.check_qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale)
     return request, device, h, p
 
 
@@ -321,6 +316,7 @@ def check_kv(
     check_compress_ratio(cache_format, compress_ratio)
     if not isinstance(kv, torch.Tensor):
         _fail(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    _check_tensor("kv", kv, _check_device("kv", kv))
     io = IoDtype.of_torch(kv.dtype)
     if io is None:
         _fail(f"kv dtype must be bfloat16 or float16, got {kv.dtype}")
@@ -331,8 +327,7 @@ def check_kv(
         if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dim() == 2
         else -1
     )
-    if not isinstance(eps, (float, int)) or not eps >= 0:
-        _fail(f"eps must be a non-negative float, got {eps!r}")
+    check_eps(eps)
     request = Request(
         Op.KV_NORM if norm_weight is not None else Op.KV, kv.shape[1], rope_dim, cache_format, io
     )
@@ -353,9 +348,7 @@ def check_kv(
         kv_scale=kv_scale,
         norm_weight=norm_weight,
     )
-    inputs = {"kv": kv, "slot_mapping": slot_mapping, "positions": positions, "cos_sin_cache": cos_sin_cache,
-              "kv_scale": kv_scale, "norm_weight": norm_weight}  # fmt: skip
-    check_disjoint({"k_cache": k_cache}, inputs)
+    overlap.check_kv(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale)
     return request, kv.device
 
 

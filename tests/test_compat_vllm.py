@@ -1,17 +1,15 @@
 """attn_prologue.compat.vllm on CPU: vLLM's DeepSeek-V4 schemas registered under an engine's namespace,
-byte-exact against the reference (cache bytes and q), the allocating form handing out pool views,
-typed errors with nothing written, overriding an engine's own op, and torch.compile(fullgraph=True)."""
+byte-exact against the reference (cache bytes and q) in every form, and the allocating form handing out
+pool views. Registration and errors: test_compat_vllm_registration.py; torch.compile:
+test_compat_vllm_compile.py."""
 
 from __future__ import annotations
-
-import itertools
-import warnings
 
 import attn_prologue as ap
 import pytest
 import torch
 from attn_prologue.compat import vllm
-from attn_prologue.errors import InputError, RegistrationError, ScratchError, UnsupportedError
+from attn_prologue.errors import InputError, ScratchError, UnsupportedError
 
 from .support.vllm_cases import (
     ALLOCATING,
@@ -24,52 +22,22 @@ from .support.vllm_cases import (
     P,
     allocating_args,
     bits,
+    caller_owned_args,
     expected_kv,
     expected_qkv,
     make,
+    poison_pool,
     poison_q_out,
+    pool_buffer,
+    registrations,
 )
-
-_names = itertools.count()
-
-
-def namespace() -> str:
-    """A fresh namespace per registration: torch.ops caches what it has looked up."""
-    return f"compat_test_{next(_names)}"
 
 
 @pytest.fixture
 def registered():
-    """register(...) with the pool and cleanup; yields the factory."""
-    made = []
-
-    def make_registration(form="allocating", *, max_tokens=300, micro_batches=1, lock=True, **kw):
-        pool = kw.pop("pool", None)
-        if pool is None and form == "allocating":
-            pool = ap.ScratchPool()
-            pool.reserve(
-                max_tokens=max_tokens, padded_heads=P, head_dim=D, micro_batches=micro_batches, device="cpu"
-            )
-            if lock:
-                pool.lock()
-        r = vllm.register(namespace(), form=form, pool=pool, **kw)
-        made.append(r)
-        return r
-
-    yield make_registration
-    for r in made:
-        r.close()
-
-
-def pool_buffer(r, micro_batch=0) -> torch.Tensor:
-    return r.pool.buffer(padded_heads=P, head_dim=D, micro_batch=micro_batch, device="cpu")
-
-
-def poison_pool(r, micro_batch=0) -> torch.Tensor:
-    """NaN over the whole buffer (pads included: "written" mode must zero them); returns it."""
-    buf = pool_buffer(r, micro_batch)
-    buf.fill_(float("nan"))
-    return buf
+    """register(...) with the pool and cleanup (support.vllm_cases.registrations); yields the factory."""
+    with registrations() as make_registration:
+        yield make_registration
 
 
 # ---- the schemas ----------------------------------------------------------------------------------
@@ -242,13 +210,6 @@ def test_written_mode_never_shares_a_buffer_with_zero_once_writers(registered):
 
 
 # ---- the caller-owned forms -----------------------------------------------------------------------
-def caller_owned_args(form: str, case: Case, x: dict, q_out: torch.Tensor) -> tuple:
-    common = (x["slot_mapping"], x["positions"], x["cos_sin_cache"], EPS, case.block_size)
-    if form == "q_out_second":
-        return (x["q"], q_out, x["kv"], x["k_cache"], *common)
-    return (x["q"], x["kv"], q_out, x["k_cache"], *common)
-
-
 @pytest.mark.parametrize("case", CALLER_OWNED, ids=str)
 @pytest.mark.parametrize("form", ["q_out_second", "q_out_third"])
 @pytest.mark.parametrize("entry", ["torch op", "plain callable"])
@@ -336,257 +297,3 @@ def test_cache_and_scale_that_do_not_map_are_refused_writing_nothing(
     with pytest.raises(error, match=match):
         r.kv_op(x["kv"], cache, x["slot_mapping"], x["positions"], x["cos_sin_cache"], 64, s, mxfp8)
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
-
-
-# ---- errors: typed, and nothing written -----------------------------------------------------------
-def bad_calls(args: tuple):
-    """(what, args, kwargs) for the plain callable of the allocating form: arity and types."""
-    a = list(args)
-    yield "12 arguments", a[:12], {}
-    yield "14 arguments", [*a, True], {}
-    yield "unknown keyword", a[:12], {"interleaved": False}
-    yield "given twice", a, {"eps": EPS}
-    yield "a str for a Tensor", [a[0], "kv", *a[2:]], {}
-    yield "a float for block_size", [*a[:8], 64.0, *a[9:]], {}
-    yield "a bool for q_head_padded", [*a[:6], True, *a[7:]], {}
-    yield "an int for a bool flag", [*a[:9], 1, *a[10:]], {}
-
-
-def test_wrong_arity_or_types_raise_input_error_and_write_nothing(registered):
-    r = registered("allocating")
-    case = Case(7, seed=51)
-    x = make(case)
-    buf = poison_pool(r)
-    before_cache, before_buf = x["k_cache"].clone(), bits(buf).clone()
-    for what, args, kwargs in bad_calls(allocating_args(case, x)):
-        with pytest.raises(InputError):
-            r.qkv(*args, **kwargs)
-        assert torch.equal(x["k_cache"], before_cache), what
-        assert torch.equal(bits(buf), before_buf), what
-    # through torch.ops the dispatcher parses the schema before any of our code runs: its own error
-    with pytest.raises(RuntimeError):
-        r.qkv_op(*allocating_args(case, x)[:12])
-    assert torch.equal(x["k_cache"], before_cache)
-
-
-@pytest.mark.parametrize(
-    "what, change, error",
-    [
-        ("int32 positions", lambda x, a: a.__setitem__(4, x["positions"].int()), InputError),
-        ("P < H", lambda x, a: a.__setitem__(6, 32), InputError),
-        ("P without a buffer", lambda x, a: a.__setitem__(6, 64), ScratchError),
-        ("negative P", lambda x, a: a.__setitem__(6, -1), InputError),
-        ("a cache too small for block_size", lambda x, a: a.__setitem__(8, 256), InputError),
-        ("kv in another dtype", lambda x, a: a.__setitem__(1, x["kv"].half()), InputError),
-        ("an int8 cache", lambda x, a: a.__setitem__(2, x["k_cache"].view(torch.int8)), InputError),
-        ("kv with fewer rows than q", lambda x, a: a.__setitem__(1, x["kv"][:5]), InputError),
-    ],
-)
-def test_bad_tensors_through_the_torch_op_raise_typed_errors_and_write_nothing(
-    registered, what, change, error
-):
-    r = registered("allocating")
-    case = Case(7, seed=52)
-    x = make(case)
-    buf = poison_pool(r)
-    before_cache, before_buf = x["k_cache"].clone(), bits(buf).clone()
-    args = list(allocating_args(case, x))
-    change(x, args)
-    with pytest.raises(error):
-        r.qkv_op(*args)
-    assert torch.equal(x["k_cache"], before_cache) and torch.equal(bits(buf), before_buf)
-
-
-def test_the_allocating_form_needs_a_pool_for_q_but_not_for_kv_only(registered):
-    r = vllm.register(namespace(), pool=None)
-    try:
-        case = Case(7, seed=53)
-        x = make(case)
-        with pytest.raises(ScratchError, match="register\\(..., pool=pool\\)"):
-            r.qkv(*allocating_args(case, x))
-        r.qkv(*allocating_args(case, x, q_head_padded=0))  # KV-only: no pool needed
-    finally:
-        r.close()
-
-
-def test_register_refuses_bad_options():
-    for kw, error in (
-        (dict(form="caller_owned"), InputError),
-        (dict(pad_heads="zero"), InputError),
-        (dict(cache_format="fp8"), UnsupportedError),
-        (dict(pool=object()), InputError),
-        (dict(micro_batch="0"), InputError),
-    ):
-        with pytest.raises(error):
-            vllm.register(namespace(), **kw)
-
-
-# ---- registering under a namespace ----------------------------------------------------------------
-def test_a_taken_name_is_refused_unless_overridden_with_the_same_schema(registered):
-    r = registered("allocating")
-    with pytest.raises(RegistrationError, match="already defined"):
-        vllm.register(r.namespace, pool=r.pool)
-    with pytest.raises(RegistrationError, match="another schema"):
-        vllm.register(r.namespace, form="q_out_third", override=True)
-    with warnings.catch_warnings():  # torch warns once per process that a kernel is overridden
-        warnings.simplefilter("ignore")
-        again = vllm.register(r.namespace, pool=r.pool, override=True)
-    again.close()
-
-
-def test_override_runs_ours_behind_an_engines_own_op():
-    """The engine defined the op (its own argument names, `Tensor!` annotations, a kernel of its own);
-    register(override=True) keeps its schema and runs our implementation."""
-    ns = namespace()
-    lib = torch.library.Library(ns, "FRAGMENT")
-    lib.define(
-        f"{vllm.KV_NAME}(Tensor kv, Tensor! kv_cache, Tensor slot_mapping, Tensor positions, "
-        "Tensor cos_sin_cache, SymInt block_size, Tensor? scale, bool mxfp8) -> ()"
-    )
-    calls = []
-    lib.impl(vllm.KV_NAME, lambda *a: calls.append(a), "CPU")
-    lib.define(f"{vllm.QKV_NAME}(Tensor q, Tensor kv, Tensor! k_cache, Tensor slot_mapping, Tensor positions, "
-               "Tensor cos_sin_cache, int p, float eps, int bs, bool a, bool b, bool c, bool d) -> Tensor")  # fmt: skip
-    case = KV_ONLY[1]
-    x = make(case)
-    want = expected_kv(case, x, x["k_cache"], case.fmt)
-    args = (x["kv"], x["k_cache"], x["slot_mapping"], x["positions"], x["cos_sin_cache"], case.block_size)
-    with warnings.catch_warnings():  # torch warns once per process that a kernel is overridden
-        warnings.simplefilter("ignore")
-        r = vllm.register(ns, override=True)
-    try:
-        getattr(torch.ops, ns).fused_deepseek_v4_kv_rope_insert(*args, None, case.mxfp8)
-        assert torch.equal(x["k_cache"], want) and calls == []
-        r.close()  # the engine's own kernel is back
-        getattr(torch.ops, ns).fused_deepseek_v4_kv_rope_insert(*args, None, case.mxfp8)
-        assert len(calls) == 1
-    finally:
-        r.close()
-        lib._destroy()
-
-
-def test_close_unregisters_so_the_names_can_be_registered_again(registered):
-    r = registered("q_out_third")
-    ns = r.namespace
-    r.close()
-    r2 = vllm.register(ns, form="q_out_second")  # no override needed: the names are free again
-    try:
-        case = CALLER_OWNED[1]
-        x = make(case)
-        q_out = poison_q_out(case.n)
-        want_q, _ = expected_qkv(case, x, q_out)
-        getattr(torch.ops, ns).fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
-            *caller_owned_args("q_out_second", case, x, q_out)
-        )
-        assert torch.equal(bits(q_out), bits(want_q))
-    finally:
-        r2.close()
-
-
-def test_a_registration_nobody_keeps_stays_registered():
-    ns = namespace()
-    vllm.register(ns, form="q_out_third")  # the return value is dropped, as an engine may do
-    import gc
-
-    gc.collect()
-    case = CALLER_OWNED[0]
-    x = make(case)
-    q_out = poison_q_out(case.n)
-    want_q, _ = expected_qkv(case, x, q_out)
-    getattr(torch.ops, ns).fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
-        *caller_owned_args("q_out_third", case, x, q_out)
-    )
-    assert torch.equal(bits(q_out), bits(want_q))
-    next(r for r in vllm._LIVE if r.namespace == ns).close()
-
-
-# ---- torch.compile --------------------------------------------------------------------------------
-def test_allocating_and_kv_only_ops_under_torch_compile_fullgraph(registered):
-    """One compiled graph: the allocating op (q_padded consumed inside the graph), the KV-only op on
-    a second cache, through torch.ops and through the plain callables; equal to eager, and the cache
-    mutations are kept."""
-    r = registered("allocating")
-    qkv_op, kv_op = r.qkv_op, r.kv_op
-    case = Case(7, m=6, negative_every=3, seed=54)
-
-    def step(x, cache2, use_plain):
-        qkv, kv_insert = (r.qkv, r.kv_insert) if use_plain else (qkv_op, kv_op)
-        q_padded = qkv(*allocating_args(case, x))
-        kv_insert(x["kv"], cache2, x["slot_mapping"], x["positions"], x["cos_sin_cache"], 64, None, True)
-        return q_padded[:, :H, :8].float() * 2  # a consumer inside the graph (exact in any order)
-
-    results = []
-    for compiled, use_plain in ((False, False), (True, False), (True, True)):
-        torch._dynamo.reset()
-        x = make(case)
-        cache2 = make(Case(7, mxfp8=True, seed=55))["k_cache"]
-        fn = torch.compile(step, fullgraph=True) if compiled else step
-        total = fn(x, cache2, use_plain)
-        results.append((total, x["k_cache"], cache2, bits(pool_buffer(r)[: case.n]).clone()))
-    eager = results[0]
-    assert not torch.equal(eager[1], make(case)["k_cache"])  # the eager call wrote the cache
-    for other in results[1:]:
-        for a, b in zip(eager, other):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-def test_caller_owned_form_under_torch_compile_keeps_both_mutations(registered):
-    r = registered("q_out_second")
-    case = CALLER_OWNED[1]
-
-    def step(x, q_out):
-        r.qkv_op(*caller_owned_args("q_out_second", case, x, q_out))
-        return q_out[:, 0, :8].float() * 2
-
-    torch._dynamo.reset()
-    outs = []
-    for fn in (step, torch.compile(step, fullgraph=True)):
-        x, q_out = make(case), poison_q_out(case.n)
-        outs.append((fn(x, q_out), bits(q_out), x["k_cache"]))
-    want_q, want_cache = expected_qkv(case, make(case), poison_q_out(case.n))
-    assert torch.equal(outs[1][1], bits(want_q)) and torch.equal(outs[1][2], want_cache)
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # rows >= N stay NaN
-
-
-def test_fake_impls_give_the_real_shapes_without_data(registered):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    r = registered("allocating")
-    case = Case(7, seed=56)
-    real = make(case)
-    with FakeTensorMode() as mode:
-        x = {k: mode.from_tensor(v) for k, v in real.items()}
-        out = r.qkv_op(*allocating_args(case, x))
-        kv_only = r.qkv_op(*allocating_args(case, x, q_head_padded=0))
-    assert out.shape == (7, P, D) and out.stride() == (P * D, D, 1) and out.dtype == torch.bfloat16
-    assert kv_only.shape == (7, 0, D)
-    with pytest.raises(InputError, match="meta tensors"):
-        r.kv_op(*(v.to("meta") if isinstance(v, torch.Tensor) else v for v in (
-            real["kv"], real["k_cache"], real["slot_mapping"], real["positions"], real["cos_sin_cache"], 64,
-            None, False)))  # fmt: skip
-
-
-def test_inductor_calls_the_ops_in_place_without_copying_the_cache(registered):
-    """The compiled graph calls both ops on the caller's caches (re-inplaced after functionalization)
-    and copies no cache; q_padded comes back from the op (the pool view), not from an allocation."""
-    from torch._inductor.utils import run_and_get_code
-
-    r = registered("allocating")
-    case = Case(7, seed=57)
-
-    def step(x, cache2):
-        q_padded = r.qkv(*allocating_args(case, x))
-        r.kv_insert(x["kv"], cache2, x["slot_mapping"], x["positions"], x["cos_sin_cache"], 64, None, True)
-        return q_padded[:, :H, :8].float() * 2
-
-    torch._dynamo.reset()
-    x, cache2 = make(case), make(Case(7, mxfp8=True, seed=58))["k_cache"]
-    _, code = run_and_get_code(torch.compile(step, fullgraph=True), x, cache2)
-    call = code[0][code[0].index("def call(self, args)") :]
-    ns = r.namespace
-    assert f"torch.ops.{ns}.{vllm.QKV_NAME}.default(arg0_1, arg1_1, arg2_1" in call
-    assert f"torch.ops.{ns}.{vllm.KV_NAME}.default(" in call
-    for copy in ("clone", ".copy_(", "aten.copy"):  # (the consumer's kernel is named fused__to_copy_...)
-        assert copy not in call, f"compiled graph copies something ({copy})"
-    assert call.count("empty_strided") == 1  # the consumer's float32 output only

@@ -12,7 +12,7 @@ from .support import imports as im
 
 DATA = {"errors", "formats", "launch", "variants", "numerics", "codecs", "reference"}
 SERVING = {
-    "tuning", "scratch", "validate", "launcher", "selftest", "dispatch", "ops", "api", "torch_op",
+    "tuning", "scratch", "validate", "overlap", "binding", "bound_kv", "launcher", "selftest", "dispatch", "ops", "api", "torch_op",
     "compat",  # other engines' schemas on top of the serving API: nothing of ours imports it
     "_exports",  # the package's public names (the package re-exports them)
 }  # fmt: skip

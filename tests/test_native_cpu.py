@@ -150,13 +150,28 @@ plain = [x, x[1:, 2:], x.transpose(0, 1), x[..., :8], torch.zeros(4, 100, dtype=
          torch.tensor([3, 5]), torch.tensor([3, 5], dtype=torch.int32), torch.rand(7, 64, generator=g),
          torch.zeros(0, 4).half(), torch.zeros(3, 8).to(torch.float8_e4m3fn), torch.nn.Parameter(torch.rand(8))]
 odd = [torch._neg_view(torch.rand(8)), torch.rand(8).as_subclass(type("Sub", (torch.Tensor,), {}))]
+from attn_prologue import ops
+from attn_prologue.errors import InputError
+from tests.support.bad_inputs import valid
+from tests.support.stub_kernels import StubRuntime
+rt, a = StubRuntime(native=True), valid("cpu")
+names = ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache", "eps", "block_size")
+ops.qnorm_rope_kv_insert(*(a[k] for k in names), runtime=rt)  # the shape's plan, made
+a["kv"] = torch._neg_view(-a["kv"])
+try:
+    ops.qnorm_rope_kv_insert(*(a[k] for k in names), runtime=rt)
+    neg_after_plan = "nothing raised"
+except InputError as exc:
+    neg_after_plan = "resolve_neg" in str(exc)
 print(json.dumps({
+    "neg_after_plan": [neg_after_plan, rt.kernel.calls],
     "built": p is not None, "kernels": torch_op.cuda_kernels(),
     "cuda_key": [has(f"attn_prologue::{op}", "CUDA") for op in ("qnorm_rope_kv_insert", "kv_rope_insert")],
-    "same": [fp.dltensor(t, True) == fp.dltensor(t, False) for t in plain],
-    "read_by_reader": [fp.dltensor(t, True) is not None for t in plain + odd],
-    "read_by_exchange": [fp.dltensor(t, False) is not None for t in odd],
-    "data_is_the_tensors": all(fp.dltensor(t, True)[0] == t.data_ptr() for t in plain if t.numel()),
+    "same": [fp.dltensor(t, "unpacker") == fp.dltensor(t, "exchange") for t in plain],
+    "read_by_reader": [fp.dltensor(t, "unpacker") is not None for t in plain + odd],
+    "read_by_exchange": [fp.dltensor(t, "exchange") is not None for t in odd],
+    "read_by_plans": [fp.dltensor(t, "plan") is not None for t in odd],
+    "data_is_the_tensors": all(fp.dltensor(t, "unpacker")[0] == t.data_ptr() for t in plain if t.numel()),
 }))
 """
 
@@ -164,12 +179,13 @@ print(json.dumps({
 def test_the_torch_op_kernels_build_against_this_torch_take_the_cuda_key_and_read_tensors_in_place(tmp_path):
     """Built and loaded in a child process (loading takes over the ops' CUDA key for the process).
     The library's tensor reader, handed to the fast-path module, sees every plain tensor as torch's
-    DLPack exchange API does (data, device, dtype, shape, strides, offset); a lazily negated view or
-    a subclass is left to the exchange API (so to the same path as without the library)."""
+    DLPack exchange API does (data, device, dtype, shape, strides, offset). A subclass is left to the
+    exchange API (as without the library); a lazily negated view, which the exchange API reads as its
+    stored bits, is refused outright: a plan's call never reads it, so the call takes the Python path,
+    whose validation names it."""
     env = {**os.environ, "ATTN_PROLOGUE_CACHE": str(tmp_path / "kernels")}
-    out = subprocess.run(
-        [sys.executable, "-c", READER_CHECK], capture_output=True, text=True, env=env, timeout=600
-    )
+    out = subprocess.run([sys.executable, "-c", READER_CHECK], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).parent.parent, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout)
     n = len(got["same"])
@@ -177,6 +193,8 @@ def test_the_torch_op_kernels_build_against_this_torch_take_the_cuda_key_and_rea
     assert got["same"] == [True] * n and got["data_is_the_tensors"]
     assert got["read_by_reader"] == [True] * n + [False, False]
     assert got["read_by_exchange"] == [True, True]
+    assert got["read_by_plans"] == [False, True]
+    assert got["neg_after_plan"] == [True, 1]  # a shape's later call with a neg view: refused, not launched
 
 
 BOXED_CHECK = """

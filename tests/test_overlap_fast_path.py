@@ -1,5 +1,5 @@
 """Overlap between what the op writes and anything else is refused on every path, before anything is
-written: the pure-int check the fast paths run (validate.disjoint) agrees with the full validation's
+written: the pure-int check the fast paths run (overlap.disjoint) agrees with the full validation's
 check_disjoint, the fast paths' byte ranges are the full validation's, and the one-call functions'
 and bound ops' fast paths (run on CPU with a stub kernel) refuse an overlapping call of a shape they
 have already validated. The GPU side of the same: tests/gpu/test_reliability_gpu.py."""
@@ -11,7 +11,7 @@ import random
 import attn_prologue.torch_op  # noqa: F401  (registers torch.ops.attn_prologue)
 import pytest
 import torch
-from attn_prologue import ops, validate
+from attn_prologue import ops, overlap, validate
 from attn_prologue.errors import InputError
 
 from .support.bad_inputs import (
@@ -39,14 +39,14 @@ BOUND_ARGS = ("q_in", "kv", "k_cache", "slot_mapping", "positions", "cos_sin_cac
 # ---- the check on ints ----------------------------------------------------------------------------
 def test_disjoint_on_ints():
     w, v = (100, 200), (300, 400)
-    assert validate.disjoint(*w, *v, ((0, 100), (200, 300), (400, 500), (0, 0)))  # touching is apart
-    assert validate.disjoint(*w, *v, ((0, 1000), (0, 1000))[:0])
-    assert validate.disjoint(*w, 0, 0, ((300, 400),))  # (0, 0): no second written buffer
-    assert validate.disjoint(*w, *v, ((0, 50), (10, 60)))  # inputs may overlap each other
+    assert overlap.disjoint(*w, *v, ((0, 100), (200, 300), (400, 500), (0, 0)))  # touching is apart
+    assert overlap.disjoint(*w, *v, ((0, 1000), (0, 1000))[:0])
+    assert overlap.disjoint(*w, 0, 0, ((300, 400),))  # (0, 0): no second written buffer
+    assert overlap.disjoint(*w, *v, ((0, 50), (10, 60)))  # inputs may overlap each other
     for bad in ((0, 101), (199, 250), (150, 160), (0, 1000), (250, 301), (399, 401)):
-        assert not validate.disjoint(*w, *v, ((0, 50), bad)), bad
-    assert not validate.disjoint(100, 301, *v, ())  # the written buffers overlap each other
-    assert not validate.disjoint(*v, *w, ((150, 151),))  # whichever is given first
+        assert not overlap.disjoint(*w, *v, ((0, 50), bad)), bad
+    assert not overlap.disjoint(100, 301, *v, ())  # the written buffers overlap each other
+    assert not overlap.disjoint(*v, *w, ((150, 151),))  # whichever is given first
 
 
 def _random_view(buf: torch.Tensor, rng: random.Random) -> torch.Tensor:
@@ -71,12 +71,12 @@ def test_disjoint_agrees_with_check_disjoint_on_random_views():
         written = dict(zip(("a", "b"), views[:2]))
         inputs = dict(zip(("x", "y", "z"), views[2:]))
         try:
-            validate.check_disjoint(written, inputs)
+            overlap.check_disjoint(written, inputs)
             expected = True
         except InputError:
             expected = False
-        ranges = [validate.byte_range(t) for t in views]
-        assert validate.disjoint(*ranges[0], *ranges[1], tuple(ranges[2:])) == expected, views
+        ranges = [overlap.byte_range(t) for t in views]
+        assert overlap.disjoint(*ranges[0], *ranges[1], tuple(ranges[2:])) == expected, views
         outcomes.add(expected)
     assert outcomes == {True, False}
 

@@ -165,3 +165,76 @@ def test_out_of_range_ids_are_skipped_on_cpu_and_nothing_else_changes(form):
     assert torch.equal(a["k_cache"], b["k_cache"])
     assert torch.equal(a["q_out"].view(torch.int16), b["q_out"].view(torch.int16))
     assert not torch.equal(a["k_cache"], before["k_cache"])  # the in-range rows were written
+
+
+# ---- overlap under torch.compile (issue 28, item 8) ----------------------------------------------------
+# Compiled, the op may run on copies of the written buffers (aot_eager: functionalized, not re-inplaced)
+# or not at all (inductor: AOT refuses inputs aliased across dtypes with an AssertionError): the fake
+# implementation refuses overlap while dynamo traces, on the fake tensors' storages.
+QKV_ORDER = (
+    "q_in",
+    "kv",
+    "q_out",
+    "k_cache",
+    "slot_mapping",
+    "positions",
+    "cos_sin_cache",
+    "eps",
+    "block_size",
+)
+COMPILE_OVERLAPS = ["q_out aliases q_in with P > H", "kv inside q_out", "positions inside k_cache",
+                    "cos_sin_cache inside q_out", "q_in overlapping the end of k_cache"]  # fmt: skip
+
+
+def _step(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size):
+    ap.qnorm_rope_kv_insert(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size)
+
+
+def _kv_step(kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, norm_weight):
+    ap.kv_rope_insert(
+        kv, k_cache, slot_mapping, positions, cos_sin_cache, block_size, norm_weight=norm_weight
+    )
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("case", COMPILE_OVERLAPS)
+def test_overlap_is_refused_typed_under_torch_compile_writing_nothing(backend, case):
+    from .support.bad_inputs import CASES, OVERLAPS, snapshot, unchanged, valid
+
+    torch._dynamo.reset()
+    a = valid("cpu")
+    {**CASES, **OVERLAPS}[case][0](a)
+    before = snapshot(a)
+    with pytest.raises(ap.InputError, match="overlaps|alias"):
+        torch.compile(_step, backend=backend, fullgraph=True)(*(a[k] for k in QKV_ORDER))
+    assert unchanged(before, a) == []
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize(
+    "case", ["kv inside k_cache", "positions inside k_cache", "norm_weight inside k_cache"]
+)
+def test_kv_overlap_is_refused_typed_under_torch_compile_writing_nothing(backend, case):
+    from .support.bad_inputs import KV_OVERLAPS, snapshot, unchanged, valid_kv
+
+    torch._dynamo.reset()
+    a = valid_kv("cpu")
+    KV_OVERLAPS[case][0](a)
+    before = snapshot(a)
+    names = ("kv", "k_cache", "slot_mapping", "positions", "cos_sin_cache", "block_size", "norm_weight")
+    with pytest.raises(ap.InputError, match="overlaps"):
+        torch.compile(_kv_step, backend=backend, fullgraph=True)(*(a[k] for k in names))
+    assert unchanged(before, a) == []
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_in_place_q_compiles_and_equals_eager(backend):
+    """q_out may be q_in itself: the traced check accepts it, and the bytes are eager's."""
+    torch._dynamo.reset()
+    a, b = inputs(6), inputs(6)
+    for x in (a, b):
+        x["q_out"] = x["q_in"]  # P == H, the same tensor
+    step(**a)
+    torch.compile(step, backend=backend, fullgraph=True)(**b)
+    assert torch.equal(a["k_cache"], b["k_cache"])
+    assert torch.equal(a["q_in"].view(torch.int16), b["q_in"].view(torch.int16))

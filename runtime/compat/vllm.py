@@ -11,7 +11,9 @@
 of three schemas (FORMS), and the KV-only op. Each has a CPU implementation (validation, then the
 PyTorch reference), a CUDA one (the kernels) and a fake one (torch.compile traces it without a
 graph break), and a plain Python callable (`.qkv`, `.kv_insert`) that calls the implementation
-directly in eager mode and the registered op while compiling.
+directly in eager mode and the registered op while compiling. Call it after the engine's own
+library has loaded (`import vllm._C`): one loading later fails to define the same names, so a
+namespace no library has defined yet is refused unless `new_namespace=True` (registration.py).
 
 Where vLLM's allocating form returns a new q_padded, ours returns a view of the pool's buffer for
 (device, micro-batch, dtype, P, D): nothing is allocated per call, and the view is valid until the
@@ -20,6 +22,7 @@ next call on that micro-batch. The cache format follows the cache's dtype (`_cac
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,11 +30,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import ops, reference, validate
-from ..errors import InputError, RegistrationError, ScratchError, UnsupportedError
+from .. import ops, overlap
+from ..errors import InputError, ScratchError, UnsupportedError
 from ..formats import get_format
 from ..scratch import ScratchPool
-from ..torch_op import refuse_meta
+from ..torch_op import check_traced, lazy_bits_kernel, reference_kv, reference_qkv
+from .registration import Registration, check_names
 
 QKV_NAME = "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert"
 KV_NAME = "fused_deepseek_v4_kv_rope_insert"
@@ -168,13 +172,9 @@ def _qkv(on_cuda, q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, bloc
             q_layout=q_layout,
         )  # fmt: skip
         return
-    validate.check_qkv(
-        q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, fmt, q_layout=q_layout
-    )
-    reference.qnorm_rope_kv_insert(
-        q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, fmt,
-        apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout,
-        write_pad_heads=write_pad_heads,
+    reference_qkv(
+        q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, fmt, apply_q_norm=apply_q_norm,
+        apply_q_rope=apply_q_rope, q_layout=q_layout, write_pad_heads=write_pad_heads,
     )  # fmt: skip
 
 
@@ -182,8 +182,7 @@ def _kv(on_cuda, kv, cache, slots, positions, cos_sin, block_size, fmt, kv_scale
     if on_cuda:
         ops.kv_rope_insert(kv, cache, slots, positions, cos_sin, block_size, fmt, kv_scale=kv_scale)
         return
-    validate.check_kv(kv, cache, slots, positions, cos_sin, block_size, fmt, kv_scale=kv_scale)
-    reference.kv_rope_insert(kv, cache, slots, positions, cos_sin, block_size, fmt, kv_scale=kv_scale)
+    reference_kv(kv, cache, slots, positions, cos_sin, block_size, fmt, kv_scale=kv_scale)
 
 
 # ---- q_padded of the allocating form: views of the pool ------------------------------------------
@@ -233,21 +232,6 @@ class _Scratch:
 
 
 # ---- registration ---------------------------------------------------------------------------------
-def _existing_schema(namespace: str, name: str):
-    try:
-        return getattr(getattr(torch.ops, namespace), name).default._schema
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _signature(schema) -> tuple:
-    """What a positional call depends on: argument types and which are written, and the returns."""
-    return (
-        tuple((str(a.type), bool(a.alias_info and a.alias_info.is_write)) for a in schema.arguments),
-        tuple(str(r.type) for r in schema.returns),
-    )
-
-
 class VllmOps:
     """What `register` returns: the plain callables `qkv` (the registered form) and `kv_insert`, the
     registered ops (`qkv_op`, `kv_op`), and `close()` to unregister them."""
@@ -257,15 +241,15 @@ class VllmOps:
         self.names = (qkv_name, kv_name)
         self._scratch = _Scratch(pool, micro_batch, pad_heads)
         self._empty: dict[tuple, Tensor] = {}
-        self._libraries: list[torch.library.Library] = []
+        self._registration: Registration | None = None
         impls = {
             "allocating": self._allocating,
             "q_out_second": self._q_out_second,
             "q_out_third": self._q_out_third,
         }
         self._parts = (
-            (qkv_name, FORMS[form], impls[form], _fake_allocating if form == "allocating" else _fake_none),
-            (kv_name, KV_SCHEMA, self._kv_only, _fake_none),
+            (qkv_name, FORMS[form], impls[form], _FAKES[form]),
+            (kv_name, KV_SCHEMA, self._kv_only, _fake_kv),
         )
         self.qkv = self._plain(0)
         self.kv_insert = self._plain(1)
@@ -328,55 +312,64 @@ class VllmOps:
 
         call.__name__, call.__qualname__ = name, name
         call.__doc__ = f"{what}{schema} (attn_prologue.compat.vllm, form {self.form!r})"
+        call.__signature__ = inspect.Signature(  # what help() shows: the schema's argument names
+            [inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a in spec]
+        )
         return call
 
     def _register(self, override: bool) -> None:
-        ns = self.namespace
-        try:
-            lib = torch.library.Library(ns, "FRAGMENT")
-        except RuntimeError as exc:
-            raise RegistrationError(f"cannot register ops under namespace {ns!r}: {exc}") from None
-        self._libraries.append(lib)
+        self._registration = Registration(self.namespace)
         for name, schema, impl, fake in self._parts:
-            ours = torch._C.parse_schema(f"{ns}::{name}{schema}")
-            theirs = _existing_schema(ns, name)
-            if theirs is not None and not override:
-                raise RegistrationError(
-                    f"{ns}::{name} is already defined ({theirs}); pass override=True to run ours behind it"
-                )
-            if theirs is not None and _signature(theirs) != _signature(ours):
-                raise RegistrationError(
-                    f"{ns}::{name} is already defined with another schema: {theirs}; ours is {ours} "
-                    "(register another form, or under another namespace)"
-                )
-            if theirs is None:
-                lib.define(f"{name}{schema}")
-            lib.impl(name, lambda *a, _impl=impl: _impl(False, *a), "CPU")
-            lib.impl(name, lambda *a, _impl=impl: _impl(True, *a), "CUDA")
-            try:
-                torch.library.register_fake(f"{ns}::{name}", fake, lib=lib)
-            except RuntimeError:  # a torch without allow_override, and the engine's op has a fake already
-                if theirs is None:
-                    raise
-        self.qkv_op, self.kv_op = (getattr(getattr(torch.ops, ns), n) for n in self.names)
+            kernels = {
+                "CPU": lambda *a, _impl=impl: _impl(False, *a),
+                "CUDA": lambda *a, _impl=impl: _impl(True, *a),
+            }
+            self._registration.add(name, schema, kernels, fake, override=override)
+            lazy = lazy_bits_kernel(getattr(getattr(torch.ops, self.namespace), name).default)
+            self._registration.add_kernels(name, {"Negative": lazy, "Conjugate": lazy})
+        self.qkv_op, self.kv_op = (getattr(getattr(torch.ops, self.namespace), n) for n in self.names)
 
     def close(self) -> None:
-        """Unregister the ops (an op this registration overrode keeps its schema, without our kernels)."""
-        for lib in self._libraries:
-            lib._destroy()
-        self._libraries.clear()
+        """Unregister our kernels (an op this registration overrode gets the kernels it had before back;
+        one another registration of the same name uses stays defined)."""
+        if self._registration is not None:
+            self._registration.close()
         _LIVE.discard(self)
 
 
+# The fake implementations (what torch.compile traces with; refuse real meta tensors): the overlap
+# rules on the fake tensors' storages, in each form's argument order, and the allocating form's output.
 def _fake_allocating(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_head_padded, *_):
-    refuse_meta(kv)
+    inputs = dict(kv=kv, slot_mapping=slot_mapping, positions=positions, cos_sin_cache=cos_sin_cache)
+    if q_head_padded != 0:  # (q is not read by the KV-only call)
+        inputs["q"] = q
+    check_traced(
+        lambda k_cache, **ins: overlap.check_disjoint({"k_cache": k_cache}, ins), k_cache=k_cache, **inputs
+    )
     if q_head_padded == 0:
         return kv.new_empty((kv.shape[0], 0, kv.shape[1]))
     return q.new_empty((q.shape[0], q_head_padded, q.shape[2]))
 
 
-def _fake_none(first, *_):
-    refuse_meta(first)
+def _fake_q_out_second(q_in, q_out, kv, k_cache, slot_mapping, position_ids, cos_sin_cache, *_):
+    check_traced(overlap.check_qkv, q_in=q_in, kv=kv, q_out=q_out, k_cache=k_cache, slot_mapping=slot_mapping,
+                 positions=position_ids, cos_sin_cache=cos_sin_cache, kv_scale=None, q_scale=None)  # fmt: skip
+
+
+def _fake_q_out_third(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, *_):
+    _fake_q_out_second(q_in, q_out, kv, k_cache, slot_mapping, positions, cos_sin_cache)
+
+
+def _fake_kv(kv, cache, slots, positions, cos_sin_cache, block_size, fp8_scale, *_):
+    check_traced(overlap.check_kv, kv=kv, norm_weight=None, k_cache=cache, slot_mapping=slots,
+                 positions=positions, cos_sin_cache=cos_sin_cache, kv_scale=fp8_scale)  # fmt: skip
+
+
+_FAKES = {
+    "allocating": _fake_allocating,
+    "q_out_second": _fake_q_out_second,
+    "q_out_third": _fake_q_out_third,
+}
 
 
 def register(
@@ -388,6 +381,7 @@ def register(
     pad_heads: str = "written",
     cache_format: str = "fp8_ds_mla",
     override: bool = False,
+    new_namespace: bool = False,
     qkv_name: str = QKV_NAME,
     kv_name: str = KV_NAME,
 ) -> VllmOps:
@@ -401,7 +395,11 @@ def register(
     view must never be written, also not by a compiled graph reusing its buffer). cache_format: what
     the caller-owned forms write into a uint8 cache (their schemas have no format argument).
     override: the names already exist (the engine's own ops): run ours behind their schema, which
-    must take the same argument types in the same order."""
+    must take the same argument types in the same order. new_namespace: the namespace is one of
+    your own that no library defines; without it, register refuses a namespace no library has
+    defined yet (call it after the engine's library has loaded: one loading later fails to define
+    the same names). RegistrationError for a reserved namespace (torch's or ours), a name that is
+    not an identifier, or a taken name."""
     if form not in FORMS:
         raise InputError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
     if pad_heads not in PAD_HEADS:
@@ -411,6 +409,7 @@ def register(
         raise InputError(f"pool must be an attn_prologue.ScratchPool, got {type(pool).__name__}")
     if not isinstance(micro_batch, int) and not callable(micro_batch):
         raise InputError(f"micro_batch must be an int or a callable returning one, got {micro_batch!r}")
+    check_names(namespace, (qkv_name, kv_name), new_namespace=new_namespace)
     out = VllmOps(namespace, form, pool, micro_batch, pad_heads, cache_format, qkv_name, kv_name)
     try:
         out._register(override)

@@ -13,7 +13,9 @@
 static const DLPackExchangeAPI* g_api = NULL;
 static PyTypeObject* g_tensor_type = NULL;
 /* A faster reader of torch tensors, once the C++ torch-op library is loaded (its
- * ap_dltensor_from_pyobject: the tensor read in place); 0 from it: ask the exchange API. */
+ * ap_dltensor_from_pyobject: the tensor read in place). 1: read; 0: not a tensor it reads (a
+ * subclass: ask the exchange API); -1: a tensor whose stored bits are not what a kernel may read
+ * (a lazy negation or conjugation, which the exchange API would hand over as plain bits). */
 typedef int (*ap_unpacker)(PyObject*, DLTensor*);
 static ap_unpacker g_unpack = NULL;
 
@@ -26,7 +28,10 @@ typedef struct {
 
 static int as_dltensor(PyObject* o, DLTensor* out) {
   if (g_api == NULL || !PyObject_TypeCheck(o, g_tensor_type)) return 0;
-  if (g_unpack != NULL && g_unpack(o, out)) return 1;
+  if (g_unpack != NULL) {
+    int read = g_unpack(o, out);
+    if (read != 0) return read > 0;
+  }
   if (g_api->dltensor_from_py_object_no_sync((void*)o, out) != 0) {
     PyErr_Clear();
     return 0;
@@ -219,17 +224,20 @@ fail:
   return NULL;
 }
 
-/* bound_kv_plan(calls, slot_bits, k_cache, (k0, k1), norm_weight, kv_scale, fixed) */
+/* bound_kv_plan(calls, slot_bits, rope_dim, k_cache, (k0, k1), norm_weight, kv_scale, fixed) */
 static PyObject* bound_kv_plan(PyObject* mod, PyObject* args) {
   PyObject *calls, *k_cache, *norm, *scale, *fixed;
   int slot_bits;
+  long long rope_dim;
   unsigned long long k0, k1;
-  if (!PyArg_ParseTuple(args, "OiO(KK)OOO", &calls, &slot_bits, &k_cache, &k0, &k1, &norm, &scale, &fixed))
+  if (!PyArg_ParseTuple(args, "OiLO(KK)OOO", &calls, &slot_bits, &rope_dim, &k_cache, &k0, &k1, &norm, &scale,
+                        &fixed))
     return NULL;
   PlanObject* self = new_plan(AP_BOUND_KV, calls);
   if (self == NULL) return NULL;
   ap_plan* p = &self->plan;
   p->slot_bits = slot_bits;
+  p->rope_dim = rope_dim;
   p->k_cache_obj = k_cache;
   p->k_cache_ptr = (uintptr_t)k0;
   p->k_range.start = (uintptr_t)k0;
@@ -350,6 +358,13 @@ static int64_t dtype_code(const DLTensor* t) {
   return (int64_t)t->dtype.code << 16 | (int64_t)t->dtype.bits << 8 | t->dtype.lanes;
 }
 
+/* The exact types of eps and block_size: True == 1 and 16.0 == 16 as Python compares them, but a bool or
+ * float block_size (or a bool eps) is refused by the validation, so it must not find a shape of theirs. */
+static int64_t scalar_kinds(PyObject* eps, PyObject* block_size) {
+  return (int64_t)PyFloat_CheckExact(eps) | (int64_t)PyLong_CheckExact(eps) << 1 |
+         (int64_t)PyLong_CheckExact(block_size) << 2;
+}
+
 /* args: q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps, block_size,
  * cache_format, kv_scale, q_scale, write_pad_heads, checked, numerics, apply_q_norm, apply_q_rope,
  * q_layout, config, conversions (ops.qnorm_rope_kv_insert's order). 0: no key (not a cached shape's). */
@@ -364,7 +379,8 @@ static int qkv_key_of(PyObject* const* a, const DLTensor* q_in, const DLTensor* 
   }
   const int64_t facts[] = {device_code(q_in), dtype_code(q_in), q_in->shape[2], q_in->shape[1],
                            pads ? q_out->shape[1] : q_in->shape[1], /* the heads written */
-                           cos_sin->shape[1], a[10] != Py_None, a[11] != Py_None, dtype_code(slots)};
+                           cos_sin->shape[1], a[10] != Py_None, a[11] != Py_None, dtype_code(slots),
+                           scalar_kinds(a[7], a[8])};
   PyObject* const objs[] = {a[7], a[8], a[9], a[13], a[14], a[15], a[16], a[17], a[18], a[19]};
   k->n_facts = sizeof(facts) / sizeof(facts[0]);
   k->n_obj = sizeof(objs) / sizeof(objs[0]);
@@ -380,7 +396,7 @@ static int kv_key_of(PyObject* const* a, const DLTensor* kv, const DLTensor* cos
                      ap_key* k) {
   if (kv->ndim != 2 || cos_sin->ndim != 2) return 0;
   const int64_t facts[] = {device_code(kv), dtype_code(kv), kv->shape[1], cos_sin->shape[1],
-                           a[7] != Py_None, a[9] != Py_None, dtype_code(slots)};
+                           a[7] != Py_None, a[9] != Py_None, dtype_code(slots), scalar_kinds(a[8], a[5])};
   PyObject* const objs[] = {a[5], a[6], a[8], a[10], a[11], a[12], a[13], a[14]};
   k->n_facts = sizeof(facts) / sizeof(facts[0]);
   k->n_obj = sizeof(objs) / sizeof(objs[0]);
@@ -596,21 +612,27 @@ static PyObject* set_unpacker(PyObject* mod, PyObject* address) {
   Py_RETURN_NONE;
 }
 
-/* dltensor(t, via_unpacker) -> (data, device_type, device_id, (code, bits, lanes), shape, strides,
- * byte_offset): what a plan sees of t, read by the unpacker or by the exchange API; None if unread. */
+/* dltensor(t, reader) -> (data, device_type, device_id, (code, bits, lanes), shape, strides,
+ * byte_offset): what a plan sees of t; None if unread. reader: "unpacker" or "exchange" alone, or
+ * "plan" (what a plan call reads: the unpacker, then the exchange API for what it leaves). */
 static PyObject* dltensor(PyObject* mod, PyObject* args) {
   PyObject* o;
-  int via_unpacker;
-  if (!PyArg_ParseTuple(args, "Op", &o, &via_unpacker)) return NULL;
+  const char* reader;
+  if (!PyArg_ParseTuple(args, "Os", &o, &reader)) return NULL;
   DLTensor t;
   ap_unpacker saved = g_unpack;
   int ok;
-  if (via_unpacker) {
-    ok = g_unpack != NULL && PyObject_TypeCheck(o, g_tensor_type) && g_unpack(o, &t);
-  } else {
+  if (strcmp(reader, "unpacker") == 0) {
+    ok = g_unpack != NULL && PyObject_TypeCheck(o, g_tensor_type) && g_unpack(o, &t) > 0;
+  } else if (strcmp(reader, "exchange") == 0) {
     g_unpack = NULL;
     ok = as_dltensor(o, &t);
     g_unpack = saved;
+  } else if (strcmp(reader, "plan") == 0) {
+    ok = as_dltensor(o, &t);
+  } else {
+    PyErr_Format(PyExc_ValueError, "reader must be unpacker, exchange or plan, got %s", reader);
+    return NULL;
   }
   if (!ok) Py_RETURN_NONE;
   PyObject* shape = PyTuple_New(t.ndim);
@@ -633,7 +655,7 @@ static PyMethodDef module_methods[] = {
     {"init", init, METH_VARARGS, "init(torch.Tensor.__dlpack_c_exchange_api__, torch.Tensor)"},
     {"buckets", buckets, METH_NOARGS, "how many token-count buckets a plan takes"},
     {"set_unpacker", set_unpacker, METH_O, "set_unpacker(address of ap_dltensor_from_pyobject, or 0)"},
-    {"dltensor", dltensor, METH_VARARGS, "dltensor(t, via_unpacker): what a plan sees of t"},
+    {"dltensor", dltensor, METH_VARARGS, "dltensor(t, reader): what a plan sees of t"},
     {"qkv_key", (PyCFunction)(void (*)(void))qkv_key, METH_FASTCALL, "a one-call qkv shape's key"},
     {"kv_key", (PyCFunction)(void (*)(void))kv_key, METH_FASTCALL, "a one-call kv shape's key"},
     {"run_qkv", (PyCFunction)(void (*)(void))run_qkv, METH_FASTCALL, "ops.qnorm_rope_kv_insert's fast path"},

@@ -55,7 +55,7 @@ typedef struct {
   int32_t q8;             /* FP8 q_out (passed to the kernel as uint8) */
   int32_t has_norm;       /* kv plans: the indexer-key writer (norm_weight is a leading tensor) */
   /* bound plans: the state the last full check accepted */
-  int64_t h, capacity, q_row, kv_row, head_dim;
+  int64_t h, capacity, q_row, kv_row, head_dim, rope_dim;
   int32_t in_place, n_micro_batches, slot_bits;
   uintptr_t k_cache_ptr;        /* the accepted k_cache's data pointer and byte range */
   ap_range k_range;
@@ -100,13 +100,16 @@ static inline int ap_is_int(const DLTensor* t, int bits) {
   return t->dtype.code == kDLInt && t->dtype.bits == bits && t->dtype.lanes == 1;
 }
 
+/* A [max_pos, R] table with rows (a table without any would make every position out of range). */
+static inline int ap_has_rows(const DLTensor* cos_sin) { return cos_sin->ndim == 2 && cos_sin->shape[0] > 0; }
+
 static inline int ap_bucket(int64_t rows) { /* bucket_index: bit length of rows - 1, capped */
   int b = 0;
   for (uint64_t v = (uint64_t)(rows - 1); v != 0; v >>= 1) ++b;
   return b < AP_BUCKETS - 1 ? b : AP_BUCKETS - 1;
 }
 
-/* validate.disjoint: [w0, w1) and [v0, v1) (the second written buffer, or (0, 0)) intersect
+/* overlap.disjoint: [w0, w1) and [v0, v1) (the second written buffer, or (0, 0)) intersect
  * neither each other nor any input range (inputs may overlap each other: they are only read). */
 static inline int ap_disjoint(uintptr_t w0, uintptr_t w1, uintptr_t v0, uintptr_t v1, const ap_range* in,
                               int n_in) {
@@ -120,6 +123,11 @@ static inline int ap_disjoint(uintptr_t w0, uintptr_t w1, uintptr_t v0, uintptr_
 static inline ap_range ap_span(uintptr_t start, int64_t bytes) {
   ap_range r = {start, start + (uintptr_t)bytes};
   return r;
+}
+
+/* ops.span: `rows` rows `stride` bytes apart, each `row` bytes (empty for no rows). */
+static inline ap_range ap_rows(uintptr_t start, int64_t rows, int64_t stride, int64_t row) {
+  return ap_span(start, rows > 0 ? (rows - 1) * stride + row : 0);
 }
 
 /* Clear TVM-FFI's raised error (the Python path that follows raises its own, naming the argument); 0. */
@@ -158,7 +166,7 @@ static inline void ap_set_tensor(TVMFFIAny* a, DLTensor* t) {
   a->v_ptr = t;
 }
 
-/* ops.qnorm_rope_kv_insert's per-call checks (ops.qkv_disjoint) and launch. kv_scale and q_scale
+/* ops.qnorm_rope_kv_insert's per-call checks (the cheap ones, ops.qkv_disjoint) and launch. kv_scale and q_scale
  * may be NULL. q_out of an FP8 plan is relabelled uint8 (the kernel's view of it). 1: done. */
 static inline int ap_one_call_qkv(const ap_plan* p, DLTensor* q_in, DLTensor* kv, DLTensor* q_out,
                                   DLTensor* k_cache, DLTensor* slots, DLTensor* positions,
@@ -169,32 +177,32 @@ static inline int ap_one_call_qkv(const ap_plan* p, DLTensor* q_in, DLTensor* kv
   int64_t n = q_in->shape[0], h = q_in->shape[1], d = q_in->shape[2];
   int64_t n_out = q_out->shape[0], pp = q_out->shape[1], m = slots->shape[0];
   int64_t kb = k_cache->shape[0], kw = k_cache->shape[1];
-  if (m > n || n_out < n || pp < h || kw < p->need || !ap_is_uint8(k_cache) ||
+  if (m > n || n_out < n || pp < h || kb < 1 || kw < p->need || !ap_is_uint8(k_cache) || !ap_has_rows(cos_sin) ||
       (kv_scale != NULL) != (p->needs_kv_scale != 0) || (q_scale != NULL) != (p->q8 != 0))
     return 0;
-  if (n == 0) return 1;
+  int64_t s_qo = ap_stride0(q_out), s_kc = ap_stride0(k_cache);
+  if ((n_out > 1 && s_qo < pp * d) || (kb > 1 && s_kc < p->need)) return 0; /* rows, pages apart */
   DLTensor q_out_view = *q_out;
   if (p->q8) {
     if (!ap_is_e4m3(q_out)) return 0;
     q_out_view.dtype.code = kDLUInt;
   }
   uintptr_t qo = ap_ptr(q_out), kc = ap_ptr(k_cache);
-  int64_t s_qo = ap_stride0(q_out), s_kc = ap_stride0(k_cache);
-  if ((n_out > 1 && s_qo < pp * d) || (kb > 1 && s_kc < p->need)) return 0;
   uintptr_t qi = ap_ptr(q_in);
   int64_t s_qi = ap_stride0(q_in);
   ap_range in[7];
   int n_in = 0;
-  in[n_in++] = ap_span(ap_ptr(kv), (n - 1) * 2 * ap_stride0(kv) + 2 * d);
+  in[n_in++] = ap_rows(ap_ptr(kv), n, 2 * ap_stride0(kv), 2 * d);
   in[n_in++] = ap_span(ap_ptr(slots), ap_nbytes(slots));
   in[n_in++] = ap_span(ap_ptr(positions), 8 * n);
   in[n_in++] = ap_span(ap_ptr(cos_sin), ap_nbytes(cos_sin));
-  if (!(pp == h && qi == qo && s_qi == s_qo)) in[n_in++] = ap_span(qi, (n - 1) * 2 * s_qi + 2 * h * d);
+  if (!(pp == h && qi == qo && s_qi == s_qo)) in[n_in++] = ap_rows(qi, n, 2 * s_qi, 2 * h * d);
   if (kv_scale != NULL) in[n_in++] = ap_span(ap_ptr(kv_scale), 4);
   if (q_scale != NULL) in[n_in++] = ap_span(ap_ptr(q_scale), 4);
-  uintptr_t q_end = qo + (uintptr_t)(((n_out - 1) * s_qo + pp * d) * (p->q8 ? 1 : 2));
-  uintptr_t k_end = kb ? kc + (uintptr_t)((kb - 1) * s_kc + kw) : kc;
-  if (!ap_disjoint(qo, q_end, kc, k_end, in, n_in)) return 0;
+  const int64_t es = p->q8 ? 1 : 2;
+  const ap_range q = ap_rows(qo, n_out, s_qo * es, pp * d * es), kr = ap_rows(kc, kb, s_kc, kw);
+  if (!ap_disjoint(q.start, q.end, kr.start, kr.end, in, n_in)) return 0;
+  if (n == 0) return 1;
   TVMFFIAny args[AP_MAX_LEAD + AP_MAX_TAIL];
   int k = 0;
   DLTensor* lead[9] = {q_in, kv, &q_out_view, k_cache, slots, positions, cos_sin, kv_scale, q_scale};
@@ -214,21 +222,21 @@ static inline int ap_one_call_kv(const ap_plan* p, DLTensor* kv, DLTensor* norm_
     return 0;
   int64_t m = kv->shape[0], d = kv->shape[1], ms = slots->shape[0], n_pos = positions->shape[0];
   int64_t kb = k_cache->shape[0], kw = k_cache->shape[1];
-  if (ms > m || ms > n_pos || kw < p->need || !ap_is_uint8(k_cache)) return 0;
-  if (ms == 0) return 1;
-  uintptr_t kc = ap_ptr(k_cache);
+  if (ms > m || ms > n_pos || kb < 1 || kw < p->need || !ap_is_uint8(k_cache) || !ap_has_rows(cos_sin)) return 0;
   int64_t s_kc = ap_stride0(k_cache);
-  if (kb > 1 && s_kc < p->need) return 0;
+  if (kb > 1 && s_kc < p->need) return 0; /* pages apart */
+  uintptr_t kc = ap_ptr(k_cache);
   ap_range in[6];
   int n_in = 0;
-  in[n_in++] = ap_span(ap_ptr(kv), (m - 1) * 2 * ap_stride0(kv) + 2 * d);
+  in[n_in++] = ap_rows(ap_ptr(kv), m, 2 * ap_stride0(kv), 2 * d);
   in[n_in++] = ap_span(ap_ptr(slots), ap_nbytes(slots));
   in[n_in++] = ap_span(ap_ptr(positions), 8 * n_pos);
   in[n_in++] = ap_span(ap_ptr(cos_sin), ap_nbytes(cos_sin));
   if (norm_weight != NULL) in[n_in++] = ap_span(ap_ptr(norm_weight), 2 * d);
   if (kv_scale != NULL) in[n_in++] = ap_span(ap_ptr(kv_scale), 4);
-  uintptr_t k_end = kb ? kc + (uintptr_t)((kb - 1) * s_kc + kw) : kc;
-  if (!ap_disjoint(kc, k_end, 0, 0, in, n_in)) return 0;
+  const ap_range kr = ap_rows(kc, kb, s_kc, kw);
+  if (!ap_disjoint(kr.start, kr.end, 0, 0, in, n_in)) return 0;
+  if (ms == 0) return 1;
   TVMFFIAny args[AP_MAX_LEAD + AP_MAX_TAIL];
   int k = 0;
   DLTensor* lead[7] = {kv, norm_weight, k_cache, slots, positions, cos_sin, kv_scale};
@@ -275,24 +283,24 @@ static inline int ap_bound_qkv(const ap_plan* p, DLTensor* q_in, DLTensor* kv, D
 }
 
 /* BoundKvOp.__call__'s per-call checks (M <= rows of kv and of positions, the k_cache and slot-id
- * width of the last full check, the overlap check of ops.kv_disjoint with the bound norm weight and
+ * width of the last full check, a cos_sin_cache with rows and the bound R, the overlap check of ops.kv_disjoint with the bound norm weight and
  * scale) and launch. 1: done (M == 0 launches nothing); 0: refused. */
 static inline int ap_bound_kv(const ap_plan* p, DLTensor* kv, DLTensor* k_cache, const void* k_cache_obj,
                               DLTensor* slots, DLTensor* positions, DLTensor* cos_sin, void* stream) {
   if (p->kind != AP_BOUND_KV || kv->ndim != 2 || slots->ndim < 1 || positions->ndim < 1) return 0;
   int64_t m = kv->shape[0], ms = slots->shape[0], n_pos = positions->shape[0];
   if (ms > m || ms > n_pos || k_cache_obj != p->k_cache_obj || !ap_is_int(slots, p->slot_bits) ||
-      ap_ptr(k_cache) != p->k_cache_ptr)
+      ap_ptr(k_cache) != p->k_cache_ptr || !ap_has_rows(cos_sin) || cos_sin->shape[1] != p->rope_dim)
     return 0;
-  if (ms == 0) return 1;
   ap_range in[4 + AP_MAX_FIXED];
   int n_in = 0;
-  in[n_in++] = ap_span(ap_ptr(kv), (m - 1) * 2 * ap_stride0(kv) + 2 * kv->shape[1]);
+  in[n_in++] = ap_rows(ap_ptr(kv), m, 2 * ap_stride0(kv), 2 * kv->shape[1]);
   in[n_in++] = ap_span(ap_ptr(slots), ap_nbytes(slots));
   in[n_in++] = ap_span(ap_ptr(positions), 8 * n_pos);
   in[n_in++] = ap_span(ap_ptr(cos_sin), ap_nbytes(cos_sin));
   for (int i = 0; i < p->n_fixed; ++i) in[n_in++] = p->fixed[i];
   if (!ap_disjoint(p->k_range.start, p->k_range.end, 0, 0, in, n_in)) return 0;
+  if (ms == 0) return 1;
   TVMFFIAny args[AP_MAX_LEAD + AP_MAX_TAIL];
   int k = 0;
   ap_set_tensor(&args[k++], kv);

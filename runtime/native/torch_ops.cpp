@@ -208,10 +208,13 @@ void kv_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
 }  // namespace
 
 // fastpath.c's tensor reader (ap_unpacker): an exact torch.Tensor or Parameter read in place, no
-// reference taken (the caller holds the object for the call). 0: not read here (a subclass, or what
-// fill refuses); the module then asks torch's DLPack exchange API, as without this library.
+// reference taken (the caller holds the object for the call). 1: read; 0: not read here (a subclass:
+// the module then asks torch's DLPack exchange API, as without this library); -1: a tensor fill
+// refuses (a lazy negation or conjugation, which the exchange API would pass on as its stored bits):
+// the call takes the Python path, whose validation names it.
 extern "C" __attribute__((visibility("default"))) int ap_dltensor_from_pyobject(PyObject* o, DLTensor* out) {
-  return THPVariable_CheckExact(o) && fill(THPVariable_Unpack(o), out);
+  if (!THPVariable_CheckExact(o)) return 0;
+  return fill(THPVariable_Unpack(o), out) ? 1 : -1;
 }
 
 TORCH_LIBRARY_IMPL(attn_prologue, CUDA, m) {

@@ -44,7 +44,7 @@ def registered():
             pool = ap.ScratchPool()
             pool.reserve(max_tokens=max_tokens, padded_heads=P, head_dim=D, micro_batches=micro_batches)
             pool.lock()
-        r = vllm.register(f"compat_gpu_{next(_names)}", form=form, pool=pool, **kw)
+        r = vllm.register(f"compat_gpu_{next(_names)}", form=form, pool=pool, new_namespace=True, **kw)
         made.append(r)
         return r
 

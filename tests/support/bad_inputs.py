@@ -159,6 +159,10 @@ CASES = {
     "eps negative": (lambda a: a.update(eps=-1.0), InputError),
     "unknown cache format": (lambda a: a.update(cache_format="fp9"), (AttnPrologueError, KeyError)),
     "format for another head dim": (lambda a: a.update(cache_format="mxfp4"), (InputError, UnsupportedError)),
+    "k_cache without blocks": (lambda a: a.update(k_cache=a["k_cache"][:0]), InputError),
+    "cos_sin_cache without rows": (lambda a: a.update(cos_sin_cache=a["cos_sin_cache"][:0]), InputError),
+    "eps infinite": (lambda a: a.update(eps=float("inf")), InputError),
+    "positions on meta": (lambda a: a.update(positions=a["positions"].to("meta")), InputError),
     "fp8_tensor without kv_scale": (
         lambda a: a.update(
             cache_format="fp8_tensor",
@@ -230,8 +234,8 @@ def unchanged(before: dict, args: dict) -> list[str]:
     changed = []
     for k, v in before.items():
         now = args.get(k)
-        if not isinstance(now, torch.Tensor) or now.shape != v.shape or now.dtype != v.dtype:
-            continue  # the case replaced this tensor
+        if not isinstance(now, torch.Tensor) or now.shape != v.shape or now.dtype != v.dtype or now.is_meta:
+            continue  # the case replaced this tensor (or it holds no data)
         if not torch.equal(now.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)):
             changed.append(k)
     return changed

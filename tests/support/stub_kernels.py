@@ -84,12 +84,15 @@ class StubRuntime(dispatch.Runtime):
 class _CpuPool:
     """A ScratchPool whose buffers live on the CPU whatever device a bound op names."""
 
-    def __init__(self, max_tokens: int, padded_heads: int, head_dim: int, micro_batches: int):
+    def __init__(
+        self, max_tokens: int, padded_heads: int, head_dim: int, micro_batches: int, dtype=torch.bfloat16
+    ):
         self.pool = ScratchPool()
         self.pool.reserve(
             max_tokens=max_tokens,
             padded_heads=padded_heads,
             head_dim=head_dim,
+            dtype=dtype,
             micro_batches=micro_batches,
             device="cpu",
         )
@@ -98,6 +101,9 @@ class _CpuPool:
 
     def claim(self, live_heads, **key):
         return self.pool.claim(live_heads, **dict(key, device="cpu"))
+
+    def claim_micro_batches(self, live_heads, micro_batches, **key):
+        return self.pool.claim_micro_batches(live_heads, micro_batches, **dict(key, device="cpu"))
 
     def view(self, n, **key):
         return self.pool.view(n, **dict(key, device="cpu"))
@@ -130,3 +136,9 @@ def stub_bind(*, runtime: StubRuntime, max_tokens: int = 0, micro_batches: int =
         pool = _CpuPool(max_tokens, p, kwargs.get("head_dim", 512), micro_batches)
     with _cuda_claimed():
         return api.bind(device="cuda:0", runtime=runtime, pool=pool, micro_batches=micro_batches, **kwargs)
+
+
+def stub_bind_kv(*, runtime: StubRuntime, **kwargs) -> api.BoundKvOp:
+    """A bound KV-only op on CPU tensors."""
+    with _cuda_claimed():
+        return api.bind_kv(device="cuda:0", runtime=runtime, **kwargs)

@@ -7,6 +7,8 @@ here in our own argument order (so a mapping mistake in the adapter shows up as 
 
 from __future__ import annotations
 
+import itertools
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -157,3 +159,58 @@ def allocating_args(case: Case, x: dict, q_head_padded: int = P) -> tuple:
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Bytes to compare exactly (NaN-safe)."""
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.uint8)
+
+
+_names = itertools.count()
+
+
+def namespace() -> str:
+    """A fresh namespace per registration: torch.ops caches what it has looked up."""
+    return f"compat_test_{next(_names)}"
+
+
+@contextmanager
+def registrations():
+    """A factory of register(...) calls under fresh namespaces of our own (a locked CPU pool for the
+    allocating form unless one is given); closes them all afterwards."""
+    from attn_prologue.compat import vllm
+    from attn_prologue.scratch import ScratchPool
+
+    made = []
+
+    def make_registration(form="allocating", *, max_tokens=300, micro_batches=1, lock=True, **kw):
+        pool = kw.pop("pool", None)
+        if pool is None and form == "allocating":
+            pool = ScratchPool()
+            pool.reserve(
+                max_tokens=max_tokens, padded_heads=P, head_dim=D, micro_batches=micro_batches, device="cpu"
+            )
+            if lock:
+                pool.lock()
+        r = vllm.register(namespace(), form=form, pool=pool, new_namespace=True, **kw)
+        made.append(r)
+        return r
+
+    try:
+        yield make_registration
+    finally:
+        for r in made:
+            r.close()
+
+
+def pool_buffer(r, micro_batch=0) -> torch.Tensor:
+    return r.pool.buffer(padded_heads=P, head_dim=D, micro_batch=micro_batch, device="cpu")
+
+
+def poison_pool(r, micro_batch=0) -> torch.Tensor:
+    """NaN over the whole buffer (pads included: "written" mode must zero them); returns it."""
+    buf = pool_buffer(r, micro_batch)
+    buf.fill_(float("nan"))
+    return buf
+
+
+def caller_owned_args(form: str, case: Case, x: dict, q_out: torch.Tensor) -> tuple:
+    common = (x["slot_mapping"], x["positions"], x["cos_sin_cache"], EPS, case.block_size)
+    if form == "q_out_second":
+        return (x["q"], q_out, x["kv"], x["k_cache"], *common)
+    return (x["q"], x["kv"], q_out, x["k_cache"], *common)
