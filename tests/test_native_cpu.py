@@ -37,7 +37,7 @@ QKV = (
 @pytest.fixture
 def own_native_root(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTN_PROLOGUE_CACHE", str(tmp_path / "kernels"))
-    return tmp_path / "native"
+    return tmp_path / "kernels" / "native"  # inside the cache root it names, never beside it
 
 
 def test_the_fast_path_module_builds_and_loads_here():
