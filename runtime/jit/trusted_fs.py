@@ -161,7 +161,13 @@ class Tree:
         except OSError as exc:
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise
-            if stat.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
+            try:  # ELOOP: a link; ENOTDIR: a link (O_PATH) or anything else that is not a directory
+                link = exc.errno == errno.ELOOP or stat.S_ISLNK(
+                    os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode
+                )
+            except FileNotFoundError:  # gone meanwhile
+                return None
+            if link:
                 raise refusal(where, "is a symbolic link", self.trust) from None
             if create:
                 raise NotADirectoryError(
@@ -188,6 +194,19 @@ class Tree:
                 return None
             self.check(where, st)
             return f.read()
+
+
+def read_regular(path: Path, limit: int) -> str:
+    """The text of a regular file of at most `limit` bytes (ValueError otherwise). Opened without
+    blocking, so a FIFO planted in its place is refused instead of hanging the reader."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{path} has {st.st_size} bytes, more than the {limit} it may have")
+        return f.read(limit + 1).decode()
 
 
 def listable(fd: int) -> int:
