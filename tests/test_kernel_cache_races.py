@@ -60,7 +60,9 @@ def test_a_root_swapped_for_a_link_before_the_first_open_is_refused(ours_and_the
     assert swapped and ours._loaded == {}
 
 
-def test_a_root_swapped_after_its_entry_was_opened_still_reads_this_caches_bytes(ours_and_theirs, monkeypatch):
+def test_a_root_swapped_after_its_entry_was_opened_still_reads_this_caches_bytes(
+    ours_and_theirs, monkeypatch
+):
     ours, theirs = ours_and_theirs
     mine = (ours.entry_dir(KEY) / "kernel.so").read_bytes()
     swapped = swap_at_open(monkeypatch, ours.root, theirs.root, lambda path: path.endswith("meta.json"))
