@@ -2,8 +2,8 @@
 
 A variable is read where it is first needed, never at import, so a bad value never makes
 `import attn_prologue` fail: it is an `EnvironmentVariableError` (naming the variable, the value and
-what it accepts) from the first call that needs it. Each distinct value is parsed once. Names and
-values are matched without regard to case or surrounding blanks; an empty value is the default.
+what it accepts) from the first call that needs it. Each distinct value is parsed once. Values are
+matched without regard to case or surrounding blanks; an empty value is the default.
 docs/environment.md lists them all (a test keeps that table and this one in step).
 """
 
@@ -59,38 +59,25 @@ class Variable:
     name: str
     parse: Callable[[str], object]
     default: object
-    accepts: str  # what the error message and the docs table say it takes
-    meaning: str
+    accepts: str  # what the error message and docs/environment.md say it takes
 
 
+# what each one does: docs/environment.md
 VARIABLES = {
     v.name: v
     for v in (
-        Variable("ATTN_PROLOGUE_CACHE", _path, None, "a directory (made absolute)",
-                 "the kernel cache (default `$XDG_CACHE_HOME/attn_prologue/kernels`, else "
-                 "`~/.cache/attn_prologue/kernels`); the native parts and the self-test records live in it"),
-        Variable("ATTN_PROLOGUE_CACHE_TRUST", _choice("own", "shared"), "own", "`own` or `shared`",
-                 "whose cache is loaded: `own` only yours; `shared` also a read-only cache owned by someone "
-                 "else (README, \"The kernel cache and what it trusts\")"),
-        Variable("ATTN_PROLOGUE_LOCK_TIMEOUT", _seconds, 900.0, "seconds, finite and > 0",
-                 "how long a build waits for another process's lock on the same cache entry"),
-        Variable("ATTN_PROLOGUE_NATIVE", _flag, True, "`1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off`",
-                 "the native fast path and the C++ torch-op kernels (off: the Python paths serve)"),
-        Variable("ATTN_PROLOGUE_SELFTEST", _choice("auto", "always", "off"), "auto",
-                 "`auto`, `always` or `off`",
-                 "the first-use self-test: `auto` tests modules with a distinct portable fallback, `always` "
-                 "every module (on itself where it has none), `off` none"),
-        Variable("ATTN_PROLOGUE_SELFTEST_FAULT", _flag, False, "a flag, as `ATTN_PROLOGUE_NATIVE`",
-                 "corrupt one byte of each self-test's output (to see the fallback work); outcomes under "
-                 "it are never recorded"),
-        Variable("ATTN_PROLOGUE_TUNING_DB", _path, None, "a file (made absolute)",
-                 "the tuning database `tune` merges into and the dispatcher reads (default: the shipped "
-                 "one); naming a file that does not exist is a warning, and the dispatcher then reads the "
-                 "shipped one"),
-        Variable("ATTN_PROLOGUE_SOURCE", str, "", "`<40-hex commit>` or `<commit>+dirty`",
-                 "the lab's provenance of a copied tree without git (anything else is ignored)"),
+        Variable("ATTN_PROLOGUE_CACHE", _path, None, "a directory (made absolute)"),
+        Variable("ATTN_PROLOGUE_CACHE_TRUST", _choice("own", "shared"), "own", "`own` or `shared`"),
+        Variable("ATTN_PROLOGUE_LOCK_TIMEOUT", _seconds, 900.0, "seconds, finite and > 0"),
+        Variable("ATTN_PROLOGUE_NATIVE", _flag, True, "`1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off`"),
+        Variable(
+            "ATTN_PROLOGUE_SELFTEST", _choice("auto", "always", "off"), "auto", "`auto`, `always` or `off`"
+        ),
+        Variable("ATTN_PROLOGUE_SELFTEST_FAULT", _flag, False, "a flag, as `ATTN_PROLOGUE_NATIVE`"),
+        Variable("ATTN_PROLOGUE_TUNING_DB", _path, None, "a file (made absolute)"),
+        Variable("ATTN_PROLOGUE_SOURCE", str, "", "`<40-hex commit>` or `<commit>+dirty`"),
     )
-}  # fmt: skip
+}
 
 
 def get(name: str):

@@ -105,7 +105,7 @@ class Records:
             return {}
 
     def _write(self, record: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # (the cache root: private)
         fd, tmp = tempfile.mkstemp(
             prefix=".selftest-", suffix=".tmp", dir=self.path.parent
         )  # O_EXCL, mode 0600

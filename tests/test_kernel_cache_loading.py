@@ -155,3 +155,20 @@ def test_a_fifo_in_place_of_an_entry_file_is_a_miss_without_blocking(built, tmp_
         reader.join(timeout=10)
         pytest.fail(f"read_meta blocked on a FIFO {name}")
     assert got == [None]
+
+
+def test_builds_summary_takes_a_meta_without_resources_or_ptx(built):
+    """An intact entry whose meta.json lacks the resource and PTX facts (written by hand or by an older
+    build) still loads; `build`'s summary reports what the other entries say instead of failing."""
+    from attn_prologue.codegen import build
+
+    full = built.read_meta(KEY)
+    bare = {k: v for k, v in full.items() if k not in ("resources", "ptx", "compile_seconds")}
+    odd = {**full, "resources": "n/a", "ptx": ["n/a"]}
+    table = build.summary_table([full, bare, odd])
+    row = next(line for line in table.splitlines() if line.startswith(KEY.target))
+    regs = full["resources"]["registers"]
+    assert f" 3 {regs:>3}-{regs:<3}" in row, table
+    assert build.resources(bare) == dict.fromkeys(
+        ("registers", "frame_bytes", "min_stack_bytes", "local_sections")
+    )
