@@ -51,7 +51,8 @@ print(json.dumps({**outcome, "compiles": cache.compiles, "so_sha256": hashlib.sh
 # in a mount namespace of its own: a 64 KiB tmpfs at $1 (noexec, or filled up), then the command
 IN_NAMESPACE = {
     "noexec TMPDIR": 'mount -t tmpfs -o noexec,size=64k tmpfs "$1"',
-    "full TMPDIR": 'mount -t tmpfs -o size=64k tmpfs "$1" && (head -c 1M /dev/zero > "$1/fill" 2>/dev/null; true)',
+    # (room for tempfile's probe of a usable TMPDIR, not for a kernel)
+    "full TMPDIR": 'mount -t tmpfs -o size=64k tmpfs "$1" && head -c 56k /dev/zero > "$1/fill"',
     "no memfd, noexec cache": 'mount -t tmpfs -o noexec tmpfs "$1" && cp -a "$2" "$1/cache"',
 }
 
