@@ -69,6 +69,21 @@ def test_an_ancestor_owned_by_a_third_user_is_refused_unless_it_owns_the_shared_
         KernelCache(cache.root, trust="shared").read_meta(KEY)
 
 
+@pytest.mark.skipif(not IS_ROOT, reason="a link owned by another user needs lchown (root)")
+def test_a_link_above_the_cache_must_be_this_users_or_roots(built, tmp_path):
+    """/tmp/link -> a directory holding the cache: the link chooses which cache is read, so whoever may
+    have made it matters (in a sticky directory only its owner can replace it)."""
+    cache_in(built, tmp_path / "real", 0o755)
+    (tmp_path / "tmp").mkdir(mode=0o1777)
+    os.chmod(tmp_path / "tmp", 0o1777)
+    link = tmp_path / "tmp" / "link"
+    link.symlink_to(tmp_path / "real")
+    assert KernelCache(link / "cache").read_meta(KEY) is not None
+    os.lchown(link, 54321, 54321)
+    with pytest.raises(UntrustedCacheError, match=r"link \(an ancestor .* symbolic link owned by uid 54321"):
+        KernelCache(link / "cache", trust="shared").read_meta(KEY)
+
+
 def test_the_native_parts_live_inside_the_named_root(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTN_PROLOGUE_CACHE", str(tmp_path / "kernels"))
     path = native.build("fastpath")

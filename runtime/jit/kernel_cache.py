@@ -276,8 +276,11 @@ class KernelCache:
         with self.tree.opened() as fd:
             if fd is None:
                 return []
-            names = sorted(os.listdir(listed := listable(fd)))
-            os.close(listed)
+            listed = listable(fd)
+            try:
+                names = sorted(os.listdir(listed))
+            finally:
+                os.close(listed)
             foreign = [n for n in names if not MADE_AT_ROOT.fullmatch(n)]
             if foreign:
                 raise NotACacheError(

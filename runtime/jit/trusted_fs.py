@@ -5,7 +5,7 @@ following a link (O_NOFOLLOW) and checked through its own descriptor (fstat); a 
 the descriptor that was checked. So renaming a directory on the way (to a link, or to another
 directory) after it was opened changes nothing that is read, and before, the link is refused and the
 directory checked like any other. The root's ancestors are resolved once (realpath: /home may be a
-link) and then walked the same way.
+link, if root's or this user's and in a directory others cannot write) and then walked the same way.
 
 What is checked (UntrustedCacheError otherwise, naming the path and the fix):
 - the root's ancestors, as OpenSSH's StrictModes checks a home directory: owned by root or by this
@@ -118,7 +118,24 @@ class Tree:
             for fd in reversed(fds):
                 os.close(fd)
 
+    def _check_links_on_the_way(self) -> None:
+        """The walk resolves links above the root first (realpath): each must be this user's or root's,
+        in a directory that passes the ancestor rule, or whoever made it would choose the cache."""
+        here = Path("/")
+        for name in self.root.parent.parts[1:]:
+            try:
+                st = os.lstat(here / name)
+            except FileNotFoundError:
+                return
+            if stat.S_ISLNK(st.st_mode):
+                if st.st_uid not in (0, os.geteuid()):
+                    problem = f"is a symbolic link owned by uid {st.st_uid} (neither root nor this user)"
+                    raise refusal(here / name, problem, self.trust, cache=self.root)
+                self._check_ancestor(here, os.stat(here), None, False)
+            here = here / name
+
     def _open_root(self, create: bool, fds: list[int]) -> int | None:
+        self._check_links_on_the_way()
         parent = Path(os.path.realpath(self.root.parent))
         fd = os.open("/", _WALK)
         fds.append(fd)
