@@ -206,9 +206,8 @@ def summary_table(metas: list[dict]) -> str:
         )
         loads = sorted(set().union(*(_access_bits(m, "ld") for m in ms)))
         stores = sorted(set().union(*(_access_bits(m, "st") for m in ms)))
-        secs = [m["compile_seconds"] for m in ms if isinstance(m.get("compile_seconds"), (int, float))] or [
-            0.0
-        ]
+        secs = [m.get("compile_seconds") for m in ms]
+        secs = [t for t in secs if isinstance(t, (int, float))] or [0.0]
         rows.append(
             f"{target:8} {len(ms):7d} {min(regs):>3}-{max(regs):<3} {stack:5d} {local:5d} "
             f"{'/'.join(map(str, loads)):>16} {'/'.join(map(str, stores)):>16} {sum(secs):>12.1f} / {max(secs):.2f}"

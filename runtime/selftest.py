@@ -63,7 +63,7 @@ def environment_key(device_name: str, capability: tuple[int, int]) -> str:
 class Records:
     """Outcomes on disk: {environment key: {variant: {"source": hash, "use": name, "ok", "detail"}}}.
     A record is trusted only if its `use` is the variant or its fallback and its source hash is the
-    module's current one; anything else (a wrong type anywhere included) is a miss (the test runs
+    module's current one; anything else, a value of the wrong type included, is a miss (the test runs
     again), and storing replaces it."""
 
     MAX_BYTES = 4 << 20  # one small record per (device, variant): a larger file is not a record
@@ -73,16 +73,16 @@ class Records:
         self._memo: dict[tuple[str, str], Variant] = {}
         self._lock = threading.Lock()
 
-    def lookup(self, env: str, v: Variant, fallback: Variant) -> Variant | None:
-        memo = self._memo.get((env, v.name))
+    def lookup(self, env_key: str, v: Variant, fallback: Variant) -> Variant | None:
+        memo = self._memo.get((env_key, v.name))
         if memo is not None:
             return memo
-        entry = _object(_object(self._read().get(env)).get(v.name))
+        entry = _object(_object(self._read().get(env_key)).get(v.name))
         if entry.get("source") != compiler.source_hash(v.name) or not isinstance(entry.get("use"), str):
             return None
         use = {v.name: v, fallback.name: fallback}.get(entry["use"])
         if use is not None:
-            self._memo[(env, v.name)] = use
+            self._memo[(env_key, v.name)] = use
         return use
 
     def store(self, env_key: str, v: Variant, use: Variant, ok: bool, detail: str) -> None:
