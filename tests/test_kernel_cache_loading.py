@@ -7,6 +7,7 @@ of meta.json or kernel.so) are a miss, found without blocking."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
@@ -93,7 +94,7 @@ def _no_memfd(monkeypatch, why=errno.ENOSPC):
         raise OSError(why, os.strerror(why))
 
     monkeypatch.setattr(os, "memfd_create", refuse)
-    monkeypatch.setattr(loading, "_staged", {})  # (bytes staged earlier in this process would be found there)
+    monkeypatch.setattr(loading, "_loaded", {})  # (bytes loaded earlier in this process would be found there)
 
 
 def test_without_a_memfd_an_own_cache_loads_from_a_private_copy_it_then_removes(built, tmp_path, monkeypatch):
@@ -119,6 +120,43 @@ def test_a_shared_cache_without_a_memfd_is_a_typed_error_and_the_entry_stays(bui
         with pytest.raises(loading.LoadEnvironmentError, match="No space left"):
             cache.load(KEY)
     assert sorted((p.name, p.read_bytes()) for p in cache.entry_dir(KEY).iterdir()) == before
+
+
+LIBRARY = "int which(void) { return %d; }\n"
+
+
+def _open_memfds() -> int:
+    targets = []
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{n}"))
+        except FileNotFoundError:  # (the listing's own descriptor)
+            pass
+    return sum("memfd:attn-prologue" in t for t in targets)
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["named in the cache", "kept open (shared cache)"])
+def test_two_libraries_loaded_in_turn_are_two_libraries(tmp_path, monkeypatch, private):
+    """The loader hands back a library it has loaded when asked for the same path again: a memfd
+    closed after loading would let the next one reuse its number, and so its name."""
+    monkeypatch.setattr(loading, "_loaded", {})
+    cc = shutil.which("cc") or shutil.which("gcc")
+    libs = []
+    for n in (1, 2):
+        (tmp_path / f"lib{n}.c").write_text(LIBRARY % n)
+        subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / f"lib{n}.so"), str(tmp_path / f"lib{n}.c")],
+                       check=True)  # fmt: skip
+        libs.append((tmp_path / f"lib{n}.so").read_bytes())
+    cache = KernelCache(tmp_path / "cache")
+    where = (lambda: cache.make_private_dirs(".load")) if private else None
+    before = _open_memfds()
+    got = [loading.load(data, ctypes.CDLL, where).which() for data in libs]
+    assert got == [1, 2]
+    assert loading.load(libs[0], ctypes.CDLL, where).which() == 1  # the same bytes: what was loaded
+    if private:  # named through a link that is gone, the memfd closed
+        assert _open_memfds() == before and list((cache.root / ".load").iterdir()) == []
+    else:
+        assert _open_memfds() == before + 2
 
 
 # ---- installed kernel wheels that cannot be trusted ---------------------------------------------------

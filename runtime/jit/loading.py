@@ -1,12 +1,14 @@
 """Handing verified bytes to the dynamic loader, so that the bytes hashed are the bytes mapped.
 
 The bytes go into a sealed memfd (Linux: memory, not a file system, so a `noexec` or full TMPDIR
-does not matter) and are loaded from `/proc/self/fd/N`. The loader knows a library by the path it was
-opened under, and asked for a path it has already loaded it hands back that library without
-opening anything: so a memfd stays open for the process (its number is never reused) and is made
-once per distinct content (by sha256). Where memfd is unavailable (not Linux, a policy that forbids
-executable memfds), the bytes go into a 0600 file, with a name of their own, in a 0700 directory
-inside a cache root this user owns, removed once loaded.
+does not matter). The loader knows a library by the path it was opened under, and asked for a path
+it has loaded before it hands back that library without opening anything; so the memfd is opened
+through a name of its own, a link to `/proc/self/fd/N` in a 0700 directory inside a cache root this
+user owns, removed once loaded (the link is only a name: the pages mapped are the memfd's). Without
+such a directory (a shared cache) the memfd is loaded from `/proc/self/fd/N` and stays open, so that
+number never names anything else. Without a memfd (not Linux, a policy that forbids executable
+memfds) the bytes go into a 0600 file in that directory instead. What one process loaded for some
+bytes is handed out again for the same bytes and loader.
 
 A failure to stage, or a loader that refuses to map the pages (noexec, a security policy, no
 memory), is a `LoadEnvironmentError`: not the entry's fault, so the cache never rebuilds it for that.
@@ -31,7 +33,7 @@ _SEALS |= getattr(fcntl, "F_SEAL_GROW", 4) | getattr(fcntl, "F_SEAL_WRITE", 8)
 # what dlerror() says when the bytes were fine but the machine would not map them executable
 ENVIRONMENT_FAULTS = ("failed to map segment", "Operation not permitted", "Cannot allocate memory")
 
-_staged: dict[str, str] = {}  # sha256 -> the /proc/self/fd path of its memfd
+_loaded: dict[tuple[str, Callable], object] = {}  # (sha256, loader) -> what the loader returned
 _lock = threading.Lock()
 
 
@@ -40,7 +42,38 @@ class LoadEnvironmentError(AttnPrologueError, OSError):
     the private copy, a noexec mount, a security policy): not the entry's fault, so never rebuilt."""
 
 
-def _memfd(data: bytes) -> str:
+def load(data: bytes, loader: Callable[[str], object], private_dir: Callable[[], Path] | None) -> object:
+    """loader(path) on a path holding exactly `data`. `private_dir` makes (and returns) the 0700
+    directory for the name of the memfd or the fallback copy; None: there is none (a shared cache)."""
+    key = (hashlib.sha256(data).hexdigest(), loader)
+    with _lock:
+        if key not in _loaded:
+            _loaded[key] = _load_once(data, key[0], loader, private_dir)
+        return _loaded[key]
+
+
+def _load_once(data: bytes, digest: str, loader, private_dir) -> object:
+    try:
+        fd = _memfd(data)
+    except (OSError, AttributeError) as exc:  # AttributeError: no os.memfd_create here
+        if private_dir is None:
+            raise LoadEnvironmentError(f"no memfd to load a verified library from ({exc})") from exc
+        return _load_private_copy(data, digest, loader, private_dir)
+    proc_path = f"/proc/self/fd/{fd}"
+    link = _link_to(proc_path, digest, private_dir)
+    keep = False
+    try:
+        result = _classified(loader, proc_path if link is None else str(link))
+        keep = link is None  # loaded under the descriptor's own name: that number must name nothing else
+        return result
+    finally:
+        if link is not None:
+            link.unlink(missing_ok=True)
+        if not keep:
+            os.close(fd)
+
+
+def _memfd(data: bytes) -> int:
     flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
     try:
         fd = os.memfd_create("attn-prologue", flags | MFD_EXEC)
@@ -53,29 +86,24 @@ def _memfd(data: bytes) -> str:
         while view:
             view = view[os.write(fd, view) :]
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)  # nothing in this process can change it now
-        path = f"/proc/self/fd/{fd}"
-        if not os.path.exists(path):  # (no /proc mounted)
+        if not os.path.exists(f"/proc/self/fd/{fd}"):  # (no /proc mounted)
             raise OSError(errno.ENOENT, "no /proc/self/fd to load it from")
     except BaseException:
         os.close(fd)
         raise
-    return path
+    return fd
 
 
-def load(data: bytes, loader: Callable[[str], object], private_dir: Callable[[], Path] | None) -> object:
-    """loader(path) on a path holding exactly `data`. `private_dir` makes (and returns) the 0700
-    directory for the fallback copy; None: no fallback (a read-only cache)."""
-    digest = hashlib.sha256(data).hexdigest()
-    with _lock:
-        path = _staged.get(digest)
-        if path is None:
-            try:
-                path = _staged[digest] = _memfd(data)
-            except (OSError, AttributeError) as exc:  # AttributeError: no os.memfd_create here
-                if private_dir is None:
-                    raise LoadEnvironmentError(f"no memfd to load a verified library from ({exc})") from exc
-                return _load_private_copy(data, digest, loader, private_dir)
-    return _classified(loader, path)
+def _link_to(target: str, digest: str, private_dir) -> Path | None:
+    """A fresh name for `target` in the private directory (None: there is none, or it is not writable)."""
+    if private_dir is None:
+        return None
+    try:
+        link = private_dir() / f"{digest[:16]}-{uuid.uuid4().hex[:8]}.so"
+        os.symlink(target, link)
+    except OSError:
+        return None
+    return link
 
 
 def _load_private_copy(data: bytes, digest: str, loader, private_dir) -> object:
