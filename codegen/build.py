@@ -24,6 +24,7 @@ from pathlib import Path
 from attn_prologue import tuning
 from attn_prologue.jit import compiler
 from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
+from attn_prologue.jit.trusted_fs import write_private
 from attn_prologue.launch import LaunchConfig
 from attn_prologue.variants import CAPABILITIES, DEFAULT_BUILD_TARGETS, Variant
 
@@ -39,7 +40,7 @@ def tuned_configs() -> dict[tuple[str, str], set[LaunchConfig]]:
     the dispatcher may pick them at run time, so `build` compiles them too."""
 
     out: dict[tuple[str, str], set[LaunchConfig]] = collections.defaultdict(set)
-    db = tuning.TuningDatabase.load(tuning.database_path())
+    db = tuning.TuningDatabase.load(tuning.database_to_read())
     for e in db.entries:
         major, minor = (int(x) for x in str(e.get("capability", "0.0")).split("."))
         target = CAPABILITIES.get((major, minor), (None, None))[1]
@@ -113,8 +114,8 @@ def write_graph(cache: KernelCache, keys: list[tuple[Variant, KernelKey]], path:
         lines.append(f"  shard = {shard}")
         lines.append(f"  count = {len(items)}")
         outputs[shard] = [str(cache.meta_path(k)) for _, k in items]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # (the commands ninja runs: private)
+    write_private(path, "\n".join(lines) + "\n")
     return outputs
 
 
@@ -124,13 +125,11 @@ def compile_entries(cache: KernelCache, specs: list[str], stamp: Path | None = N
         variant, target, cfg = spec.split(":")
         t0 = time.perf_counter()
         meta = cache.ensure_built(KernelKey(variant, LaunchConfig.from_key(cfg), target))
-        print(
-            f"  {variant} {target} {cfg}: {meta['resources']['registers']} regs, {time.perf_counter() - t0:.2f}s",
-            flush=True,
-        )
+        regs = resources(meta)["registers"]
+        print(f"  {variant} {target} {cfg}: {regs} regs, {time.perf_counter() - t0:.2f}s", flush=True)
     if stamp is not None:
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        stamp.write_text("".join(f"{s}\n" for s in specs))
+        stamp.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_private(stamp, "".join(f"{s}\n" for s in specs))
 
 
 def run(
@@ -151,7 +150,7 @@ def run(
     t0 = time.perf_counter()
     graph = None
     if missing:
-        here = cache.root / "build" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        here = cache.make_private_dirs("build", f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
         graph = here / "build.ninja"
         write_graph(cache, missing, graph)
         cmd = [sys.executable, "-m", "ninja", "-C", str(here), "-f", graph.name, "-j", str(jobs)]
@@ -173,8 +172,23 @@ def run(
     return {"wall_seconds": wall, "entries": metas, "compiled": len(missing), "jobs": jobs}
 
 
+def resources(meta: dict) -> dict:
+    """The entry's register and stack facts; an entry whose meta lacks them (written by hand, or by an
+    older build) reports None for each, so summaries never fail on it."""
+    found = meta.get("resources")
+    found = found if isinstance(found, dict) else {}
+    return {k: found.get(k) for k in ("registers", "frame_bytes", "min_stack_bytes", "local_sections")}
+
+
+def _access_bits(meta: dict, kind: str) -> set[int]:
+    ptx = meta.get("ptx")
+    widths = ptx.get("global_access_bits") if isinstance(ptx, dict) else None
+    return {int(k.rsplit(".", 1)[1]) for k in widths or () if k.startswith(kind)}
+
+
 def summary_table(metas: list[dict]) -> str:
-    """Per target: kernels, registers (min-max), stack/spills, global access widths, compile time."""
+    """Per target: kernels, registers (min-max), stack/spills, global access widths, compile time
+    (facts an entry does not record are left out of the min/max and sums)."""
     by_target = collections.defaultdict(list)
     for m in metas:
         by_target[m["target"]].append(m)
@@ -182,26 +196,18 @@ def summary_table(metas: list[dict]) -> str:
     rows = [header, "-" * len(header)]
     for target in sorted(by_target):
         ms = by_target[target]
-        regs = [m["resources"]["registers"] for m in ms]
-        stack = max(m["resources"]["frame_bytes"] + m["resources"]["min_stack_bytes"] for m in ms)
-        local = sum(1 for m in ms if m["ptx"]["local_memory"] or m["resources"]["local_sections"])
-        loads = sorted(
-            {
-                int(k.rsplit(".", 1)[1])
-                for m in ms
-                for k in m["ptx"]["global_access_bits"]
-                if k.startswith("ld")
-            }
+        res = [resources(m) for m in ms]
+        regs = [r["registers"] for r in res if isinstance(r["registers"], int)] or [0]
+        stack = max((r["frame_bytes"] or 0) + (r["min_stack_bytes"] or 0) for r in res)
+        local = sum(
+            1
+            for m, r in zip(ms, res)
+            if (isinstance(m.get("ptx"), dict) and m["ptx"].get("local_memory")) or r["local_sections"]
         )
-        stores = sorted(
-            {
-                int(k.rsplit(".", 1)[1])
-                for m in ms
-                for k in m["ptx"]["global_access_bits"]
-                if k.startswith("st")
-            }
-        )
-        secs = [m["compile_seconds"] for m in ms]
+        loads = sorted(set().union(*(_access_bits(m, "ld") for m in ms)))
+        stores = sorted(set().union(*(_access_bits(m, "st") for m in ms)))
+        secs = [m.get("compile_seconds") for m in ms]
+        secs = [t for t in secs if isinstance(t, (int, float))] or [0.0]
         rows.append(
             f"{target:8} {len(ms):7d} {min(regs):>3}-{max(regs):<3} {stack:5d} {local:5d} "
             f"{'/'.join(map(str, loads)):>16} {'/'.join(map(str, stores)):>16} {sum(secs):>12.1f} / {max(secs):.2f}"

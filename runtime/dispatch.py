@@ -75,7 +75,7 @@ class Runtime:
         device_facts: Callable[[int], DeviceFacts] = read_device_facts,
     ):
         self.cache = cache if cache is not None else KernelCache()
-        self.tuning_db = Path(tuning_db) if tuning_db is not None else tuning.database_path()
+        self.tuning_db = Path(tuning_db) if tuning_db is not None else tuning.database_to_read()
         self.selftests = (
             selftest_records if selftest_records is not None else selftest.Records(self.cache.root)
         )

@@ -11,7 +11,8 @@ cache directory), so the test runs once per machine, not once per process.
 ATTN_PROLOGUE_SELFTEST=always also tests variants without a distinct fallback (their fallback is
 themselves: this is how the machinery is exercised on SM90); =off disables it.
 ATTN_PROLOGUE_SELFTEST_FAULT=1 corrupts one output byte before the comparison (to show that the
-fallback works on hardware where the native path is fine).
+fallback works on hardware where the native path is fine); an outcome reached under it holds for
+this process only and is never recorded.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from pathlib import Path
 
 import torch
 
-from . import reference
+from . import env, reference
 from .errors import AttnPrologueError
 from .formats import FORMATS, ElementCode
 from .jit import compiler
+from .jit.trusted_fs import read_regular
 from .launcher import Launcher
 from .variants import Op, QOut, Variant
 
@@ -45,7 +47,7 @@ class SelfTestWarning(RuntimeWarning):
 def fallback_to_test(v: Variant) -> Variant | None:
     """The module to bind if v fails its self-test, or None when v is not tested: by default only
     variants with a distinct portable module are."""
-    mode = os.environ.get(ENV_MODE, "auto")
+    mode = env.get(ENV_MODE)
     if mode == "off":
         return None
     fallback = v.portable_fallback
@@ -61,31 +63,36 @@ def environment_key(device_name: str, capability: tuple[int, int]) -> str:
 class Records:
     """Outcomes on disk: {environment key: {variant: {"source": hash, "use": name, "ok", "detail"}}}.
     A record is trusted only if its `use` is the variant or its fallback and its source hash is the
-    module's current one; anything else is a miss (the test runs again)."""
+    module's current one; anything else, a value of the wrong type included, is a miss (the test runs
+    again), and storing replaces it."""
+
+    MAX_BYTES = 4 << 20  # one small record per (device, variant): a larger file is not a record
 
     def __init__(self, cache_root: Path):
         self.path = Path(cache_root) / RECORD_NAME
         self._memo: dict[tuple[str, str], Variant] = {}
         self._lock = threading.Lock()
 
-    def lookup(self, env: str, v: Variant, fallback: Variant) -> Variant | None:
-        memo = self._memo.get((env, v.name))
+    def lookup(self, env_key: str, v: Variant, fallback: Variant) -> Variant | None:
+        memo = self._memo.get((env_key, v.name))
         if memo is not None:
             return memo
-        entry = self._read().get(env, {}).get(v.name)
-        if not isinstance(entry, dict) or entry.get("source") != compiler.source_hash(v.name):
+        entry = _object(_object(self._read().get(env_key)).get(v.name))
+        if entry.get("source") != compiler.source_hash(v.name) or not isinstance(entry.get("use"), str):
             return None
-        use = {v.name: v, fallback.name: fallback}.get(entry.get("use"))
+        use = {v.name: v, fallback.name: fallback}.get(entry["use"])
         if use is not None:
-            self._memo[(env, v.name)] = use
+            self._memo[(env_key, v.name)] = use
         return use
 
-    def store(self, env: str, v: Variant, use: Variant, ok: bool, detail: str) -> None:
-        self._memo[(env, v.name)] = use
+    def store(self, env_key: str, v: Variant, use: Variant, ok: bool, detail: str) -> None:
+        self._memo[(env_key, v.name)] = use
+        if env.get(ENV_FAULT):  # a verdict on an injected fault says nothing about this machine
+            return
         entry = {"source": compiler.source_hash(v.name), "use": use.name, "ok": ok, "detail": detail}
         with self._lock:
             record = self._read()
-            record.setdefault(env, {})[v.name] = entry
+            record[env_key] = {**_object(record.get(env_key)), v.name: entry}
             try:
                 self._write(record)
             except OSError as exc:  # a read-only cache: the outcome still holds for this process
@@ -93,13 +100,12 @@ class Records:
 
     def _read(self) -> dict:
         try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            return _object(json.loads(read_regular(self.path, self.MAX_BYTES)))
+        except (OSError, ValueError, RecursionError):
             return {}
-        return data if isinstance(data, dict) else {}
 
     def _write(self, record: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # (the cache root: private)
         fd, tmp = tempfile.mkstemp(
             prefix=".selftest-", suffix=".tmp", dir=self.path.parent
         )  # O_EXCL, mode 0600
@@ -110,6 +116,11 @@ class Records:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _object(value) -> dict:
+    """value if it is a JSON object, else an empty one (a record of the wrong type is no record)."""
+    return value if isinstance(value, dict) else {}
 
 
 def warn_failed(v: Variant, fallback: Variant, env: str, detail: str) -> None:
@@ -216,7 +227,7 @@ def run(launcher: Launcher, errors: torch.Tensor, arena: Arena) -> tuple[bool, s
             want["kv"], want["k_cache"], slots, pos, cs, bs, v.cache_format, norm_weight=weight, eps=1e-6,
             kv_scale=kv_scale,
         )  # fmt: skip
-    if os.environ.get(ENV_FAULT):
+    if env.get(ENV_FAULT):
         got_cache.view(-1)[got_cache.numel() // 2] ^= 0x10  # injected fault
     got_cache = bf16_nans_canonical(got_cache, fmt, d, bs)
     bad_cache = int((got_cache != bf16_nans_canonical(want["k_cache"], fmt, d, bs)).sum())

@@ -29,6 +29,7 @@ one-call function, which validates and raises the typed error, and hands back th
 from __future__ import annotations
 
 import collections
+import ctypes
 import warnings
 
 import torch
@@ -59,7 +60,6 @@ _library.define(
     QKV_SCHEMA.replace("qnorm_rope_kv_insert(", "qnorm_rope_kv_insert_slow(").replace("-> ()", "-> int")
 )
 _library.define(KV_SCHEMA.replace("kv_rope_insert(", "kv_rope_insert_slow(").replace("-> ()", "-> int"))
-_python_cuda = torch.library.Library(NAMESPACE, "IMPL")  # the Python CUDA kernels, until C++ replaces them
 _pinned: dict = {}  # plans handed to the C++ kernels, by address: kept alive for the process
 # the C++ kernels' calls that took the Python path, per op
 SLOW_CALLS: collections.Counter = collections.Counter()
@@ -193,7 +193,6 @@ for _name, _cpu, _cuda, _slow, _fake in (
     ("kv_rope_insert", _kv_cpu, _kv_cuda, _kv_slow, _kv_fake),
 ):
     _library.impl(_name, _cpu, "CPU")
-    _python_cuda.impl(_name, _cuda, "CUDA")
     _library.impl(f"{_name}_slow", _slow, "CUDA")
     for _op in (_name, f"{_name}_slow"):  # not differentiable: autograd passes through (no boxed fallback)
         _library.impl(_op, torch.library.fallthrough_kernel, "Autograd")
@@ -202,19 +201,40 @@ for _name, _cpu, _cuda, _slow, _fake in (
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=_library)
 
 
+def _python_cuda_kernels() -> torch.library.Library:
+    """The Python CUDA kernels (kept alive: dropping the library unregisters them)."""
+    lib = torch.library.Library(NAMESPACE, "IMPL")
+    lib.impl("qnorm_rope_kv_insert", _qkv_cuda, "CUDA")
+    lib.impl("kv_rope_insert", _kv_cuda, "CUDA")
+    return lib
+
+
+_python_cuda = _python_cuda_kernels()  # until the C++ ones replace them
+
+
 def load_native_kernels(*, build: bool = False):
     """Replace the Python CUDA kernels with the C++ ones (native/torch_ops.cpp) if they are built for
-    this torch, or (build=True) after building them; their path, or None (Python kernels stay)."""
+    this torch, or (build=True) after building them; their path, or None (Python kernels stay). The
+    Python kernels are unregistered only once the library is verified (loading it over them would make
+    torch warn that it overrides them), and registered again if it then does not load."""
     global _python_cuda
     if _python_cuda is None or not native.enabled():
         return None
-    path = native.build("torch_ops") if build else native.built_path("torch_ops")
-    if path is not None:
-        _python_cuda._destroy()
-        _python_cuda = None
-        torch.ops.load_library(str(path))
-        native.use_tensor_reader(path)
-    return path
+    if build:
+        native.build("torch_ops")
+    found = native.verified("torch_ops")
+    if found is None:
+        return None
+    _python_cuda._destroy()
+    try:
+        handle = native.load_verified(found, lambda path: ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL))
+    except BaseException:
+        _python_cuda = _python_cuda_kernels()
+        raise
+    _python_cuda = None
+    torch.ops.loaded_libraries.add(found[0])  # (what torch.ops.load_library records)
+    native.use_tensor_reader(handle)
+    return found[0]
 
 
 def cuda_kernels() -> str:

@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import re
-import stat
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -27,7 +26,9 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from . import env
 from .jit import compiler
+from .jit.trusted_fs import read_regular
 from .launch import LaunchConfig
 
 ENV_DB = "ATTN_PROLOGUE_TUNING_DB"
@@ -116,7 +117,7 @@ class TuningDatabase:
         and skipped, and the others are used."""
         path = Path(path)
         try:
-            text = _read_regular(path, MAX_DB_BYTES)
+            text = read_regular(path, MAX_DB_BYTES)
         except FileNotFoundError:
             return cls([], path)
         except (OSError, ValueError) as exc:
@@ -263,19 +264,6 @@ def _no_constants(name: str):
     raise ValueError(f"{name} is not a valid number in a tuning database")
 
 
-def _read_regular(path: Path, limit: int) -> str:
-    """The text of a regular file of at most `limit` bytes (a FIFO or device is refused unopened:
-    reading one would block)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
-        if st.st_size > limit:
-            raise ValueError(f"{st.st_size} bytes, more than the {limit} a tuning database may have")
-        return f.read(limit + 1).decode()
-
-
 def pick(
     tuned: dict[tuple[int, int], LaunchConfig] | None, heads: int | None, written: int | None = None
 ) -> LaunchConfig | None:
@@ -299,5 +287,19 @@ def shipped_database_path() -> Path:
 
 
 def database_path() -> Path:
-    env = os.environ.get(ENV_DB)
-    return Path(env) if env else shipped_database_path()
+    """Where `tune` merges its entries: $ATTN_PROLOGUE_TUNING_DB (made on first write), else the
+    shipped database."""
+    return env.get(ENV_DB) or shipped_database_path()
+
+
+def database_to_read() -> Path:
+    """The database the dispatcher and `build` read: $ATTN_PROLOGUE_TUNING_DB, else the shipped one.
+    A named file that does not exist is most likely a typo: reported once, and the shipped one read."""
+    named = env.get(ENV_DB)
+    if named is None or named.exists():
+        return database_path()
+    note = f"{ENV_DB}={named} does not exist: reading the shipped tuning database instead"
+    if note not in _NOTED:
+        _NOTED.add(note)
+        warnings.warn(note, TuningDatabaseWarning)
+    return shipped_database_path()

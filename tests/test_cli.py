@@ -208,8 +208,8 @@ def test_cache_shows_where_what_and_cleans(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"kernel cache: {root}" in proc.stdout and "sm_90a       1 kernels" in proc.stdout
     assert "1 kernels, 1 lock files" in proc.stdout
-    assert "native fastpath: not built" in proc.stdout  # nothing beside this fresh cache yet
-    built = native.build("fastpath", tmp_path / "native")
+    assert "native fastpath: not built" in proc.stdout  # nothing in this fresh cache yet
+    built = native.build("fastpath", root)
     assert f"native fastpath: {built}" in run("cache", "--cache-dir", str(root)).stdout
     proc = run("cache", "--cache-dir", str(root), "--clean")
     assert proc.returncode == 0 and f"cleaned {root}" in proc.stdout

@@ -23,29 +23,18 @@ from attn_prologue.jit.kernel_cache import (
     KernelKey,
     UntrustedCacheError,
 )
-from attn_prologue.variants import ArchFamily
 
-KEY = KernelKey("kv_d512r64_bf16_bf16_sm90", ArchFamily.SM90.default_config, "sm_90a")
-IS_ROOT = os.geteuid() == 0
+from .support import cache_entry
+from .support.cache_entry import IS_ROOT, KEY, OTHER_UID
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A cache holding KEY, built under umask 000 (so any file that follows the umask shows it)."""
-    root = tmp_path_factory.mktemp("trust") / "cache"
-    old = os.umask(0)
-    try:
-        cache = KernelCache(root)
-        cache.ensure_built(KEY)
-    finally:
-        os.umask(old)
-    return cache
+    return cache_entry.build_one(tmp_path_factory.mktemp("trust") / "cache")
 
 
 def copy_of(built: KernelCache, tmp_path, **kw) -> KernelCache:
-    root = tmp_path / "cache"
-    shutil.copytree(built.root, root, symlinks=True)
-    return KernelCache(root, **kw)
+    return cache_entry.copy_of(built, tmp_path / "cache", **kw)
 
 
 def test_everything_created_is_private_whatever_the_umask(built):
@@ -160,8 +149,6 @@ print("held", flush=True); time.sleep(60)
 
 
 # ---- a second user, for real: another uid in another process ------------------------------------
-OTHER_UID = 65534  # nobody
-
 AS_OTHER_USER = r"""
 import json, os, site, sys
 for p in os.environ["AP_SITE_DIRS"].split(os.pathsep):  # this package and its dependencies

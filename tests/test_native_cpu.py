@@ -6,6 +6,7 @@ tested beside the Python ones in test_overlap_fast_path.py (its `native` cases).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -37,7 +38,7 @@ QKV = (
 @pytest.fixture
 def own_native_root(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTN_PROLOGUE_CACHE", str(tmp_path / "kernels"))
-    return tmp_path / "native"
+    return tmp_path / "kernels" / "native"  # inside the cache root it names, never beside it
 
 
 def test_the_fast_path_module_builds_and_loads_here():
@@ -316,3 +317,28 @@ def test_an_untrusted_native_entry_is_refused_with_a_warning_and_the_package_sti
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["Python"]
     assert "were not loaded" in out.stderr and "writable by other users" in out.stderr
+
+
+def test_a_native_library_that_does_not_load_leaves_the_python_kernels_serving(own_native_root):
+    """An intact entry (its hash matches) whose library does not load here: importing the package
+    warns, and the torch ops keep their Python CUDA kernels (unregistered only once a library loads)."""
+    key, facts = native.entry_key("torch_ops")
+    name = native.PARTS["torch_ops"][0]
+    entry = own_native_root / "torch_ops" / key
+    entry.mkdir(parents=True, mode=0o700)
+    junk = b"\x7fELF but not a library of this machine"
+    (entry / name).write_bytes(junk)
+    meta = {**facts, "file": name, "sha256": hashlib.sha256(junk).hexdigest()}
+    (entry / "meta.json").write_text(json.dumps(meta))
+    assert native.built_path("torch_ops") == entry / name
+    code = (
+        "import torch, attn_prologue as ap; from attn_prologue import torch_op; "
+        "has = torch._C._dispatch_has_kernel_for_dispatch_key; "
+        "print(torch_op.cuda_kernels(), has('attn_prologue::qnorm_rope_kv_insert', 'CUDA'), "
+        "has('attn_prologue::kv_rope_insert', 'CUDA'))"
+    )
+    out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["Python", "True", "True"]
+    assert "were not loaded" in out.stderr

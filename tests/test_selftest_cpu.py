@@ -5,10 +5,13 @@ passes; one that corrupts a byte fails). The GPU suite runs it on every SM90 mod
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import pytest
 import torch
 from attn_prologue import reference, selftest
+from attn_prologue.jit import compiler
 from attn_prologue.launcher import Launcher
 from attn_prologue.variants import ArchFamily, Conversions, QOut, generated, parse_name
 
@@ -135,3 +138,57 @@ def test_only_the_payload_of_a_bf16_nan_is_forgiven(name, d):
     one[1, :2] = torch.tensor([0x80, 0x3F], dtype=torch.uint8)  # bf16 1.0 (or two fp8 codes)
     two[1, :2] = torch.tensor([0x00, 0x40], dtype=torch.uint8)  # bf16 2.0
     assert not torch.equal(canon(one, fmt, d, bs), canon(two, fmt, d, bs))
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        lambda env, name, src: {env: "x"},
+        lambda env, name, src: {env: [1]},
+        lambda env, name, src: {env: {name: {"use": [], "source": src}}},
+        lambda env, name, src: {env: {name: {"use": {"a": 1}, "source": src}}},
+        lambda env, name, src: {env: {name: "use the fallback"}},
+    ],
+    ids=["env-is-text", "env-is-list", "use-is-list", "use-is-object", "entry-is-text"],
+)
+def test_a_record_of_the_wrong_type_is_no_record_and_is_replaced(tmp_path, junk):
+    v = parse_name("qkv_d512r64_fp8_ds_mla_bf16_sm120")
+    fb, env = v.portable_fallback, "GPU|sm120|0.1.0|dsl"
+    records = selftest.Records(tmp_path)
+    records.path.write_text(json.dumps(junk(env, v.name, compiler.source_hash(v.name))))
+    assert selftest.Records(tmp_path).lookup(env, v, fb) is None  # a miss: the test runs again
+    selftest.Records(tmp_path).store(env, v, fb, False, "after junk")
+    assert selftest.Records(tmp_path).lookup(env, v, fb) == fb
+
+
+def test_a_fifo_in_place_of_the_record_is_no_record_found_without_blocking(tmp_path):
+    v = parse_name("qkv_d512r64_fp8_ds_mla_bf16_sm120")
+    fifo = tmp_path / selftest.RECORD_NAME
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(
+        target=lambda: got.append(selftest.Records(tmp_path).lookup("env", v, v)), daemon=True
+    )
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():  # blocked opening the FIFO: let it go, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("the record reader blocked on a FIFO")
+    assert got == [None]
+
+
+@pytest.mark.parametrize("value,injects", [("0", False), ("off", False), ("1", True), ("TRUE", True)])
+def test_the_fault_is_injected_only_when_asked_and_its_verdict_is_never_recorded(
+    tmp_path, monkeypatch, value, injects
+):
+    v = parse_name("kv_d512r64_fp8_tensor_bf16_sm120")
+    monkeypatch.setenv(selftest.ENV_FAULT, value)
+    errors, arena = torch.zeros(2, dtype=torch.int32), selftest.Arena(torch.device("cpu"))
+    ok, detail = selftest.run(
+        Launcher(v, v.arch.default_config, "sm_120a", 0, reference_kernel(v), 1), errors, arena
+    )
+    assert ok is not injects, detail
+    records = selftest.Records(tmp_path)
+    records.store("env", v, v.portable_fallback or v, ok, detail)
+    assert records.lookup("env", v, v.portable_fallback or v) is not None  # this process keeps it
+    assert records.path.exists() is not injects  # later processes never see a verdict on a fake fault

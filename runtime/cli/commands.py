@@ -130,12 +130,12 @@ def cmd_build(args) -> int:
     )
     if args.report:
         build.write_report(r["entries"], Path(args.report))
-    _build_native(cache.root.parent / "native")
+    _build_native(cache.root)
     return 0
 
 
 def _print_native(root: Path) -> None:
-    """Whether the native parts are built for this Python, tvm_ffi and torch (beside the kernel cache)."""
+    """Whether the native parts are built for this Python, tvm_ffi and torch (in the kernel cache `root`)."""
     from .. import native
     from ..errors import AttnPrologueError
 
@@ -150,7 +150,7 @@ def _print_native(root: Path) -> None:
 
 
 def _build_native(root: Path) -> None:
-    """The native fast path and the C++ torch-op kernels (native/): without a C/C++ compiler the
+    """The native fast path and the C++ torch-op kernels (`root`/native/): without a C/C++ compiler the
     Python paths serve, so a failure is reported, not fatal."""
     import time
 
@@ -172,7 +172,6 @@ def _build_native(root: Path) -> None:
 def cmd_cache(args) -> int:
     """Where the kernel cache is, what it holds per target, and (with --clean) emptying it."""
     import collections
-    import shutil
 
     cache = _cache(args)
     root = cache.root
@@ -192,14 +191,10 @@ def cmd_cache(args) -> int:
     for target, count in sorted(entries.items()):
         print(f"  {target:8} {count:5d} kernels")
     print(f"  {sum(entries.values())} kernels, {locks} lock files, {size / 2**20:.1f} MiB")
-    _print_native(root.parent / "native")
+    _print_native(root)
     if args.clean:
-        for child in root.iterdir():
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
-        print(f"cleaned {root}")
+        removed = cache.clean()  # only what the cache made; refuses a link, another owner, foreign files
+        print(f"cleaned {root} ({', '.join(removed) or 'nothing to remove'})")
     return 0
 
 

@@ -9,26 +9,26 @@ concurrent processes never see half an entry.
 
 Trust. A cache entry is code this process will run, so:
 - what this process creates is private whatever the umask: directories 0700, files 0600;
-- an entry is used only if every directory from the cache root down to it and each of its files is
-  owned by this user, is not group- or world-writable and is not a symbolic link; anything else is
-  an `UntrustedCacheError` naming the path and the fix. `trust="shared"` (or
-  `ATTN_PROLOGUE_CACHE_TRUST=shared`) accepts entries owned by another user (a team's prebuilt,
-  read-only cache), still refusing writable or linked paths, and never writes there;
-- the bytes that are hashed are the bytes that are loaded: `kernel.so` is read once through a file
-  descriptor opened without following links, checked against `meta.json`, and those bytes are
-  written to a private file that is loaded and then removed.
+- an entry is read through checked descriptors (trusted_fs.py): the root's ancestors as OpenSSH's
+  StrictModes checks a home directory, the root and everything below it owned by this user, not
+  group- or world-writable and not a symbolic link; anything else is an `UntrustedCacheError` naming
+  the path and the fix. `trust="shared"` (or `ATTN_PROLOGUE_CACHE_TRUST=shared`) accepts a tree
+  owned by another user (a team's read-only cache: that owner is trusted with code), still refusing
+  writable or linked paths and a root whose parent others can write, and never writes there;
+- the bytes that are hashed are the bytes that are loaded (loading.py: a sealed memfd, never TMPDIR).
+Installed kernel wheels (`package-kernels`) are read as shared caches; one that is not trusted is
+skipped with one warning, and the kernel is compiled into this cache instead.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import stat
-import tempfile
 import threading
 import uuid
 import warnings
@@ -38,29 +38,41 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from .. import env
 from ..errors import AttnPrologueError
 from ..launch import LaunchConfig
-from . import compiler
+from . import compiler, loading
+from .trusted_fs import (
+    ENV_CACHE_DIR,
+    ENV_TRUST,
+    TRUST_MODES,
+    Tree,
+    UntrustedCacheError,
+    listable,
+    write_private,
+)
 
-ENV_CACHE_DIR = "ATTN_PROLOGUE_CACHE"
-ENV_TRUST = "ATTN_PROLOGUE_CACHE_TRUST"
 ENV_LOCK_TIMEOUT = "ATTN_PROLOGUE_LOCK_TIMEOUT"
-TRUST_MODES = ("own", "shared")
+# what the cache makes at its top level (`clean` refuses a root holding anything else): per DSL build and
+# host the kernels, the native parts, `build`'s graphs, the loader's fallback copies, the self-test records
+MADE_AT_ROOT = re.compile(
+    r"[0-9a-f]{16}-[a-z0-9]+-\w+|native|build|\.load|selftest\.json|\.selftest-\w+\.tmp"
+)
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get(ENV_CACHE_DIR)
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attn_prologue" / "kernels"
+    """$ATTN_PROLOGUE_CACHE, else $XDG_CACHE_HOME/attn_prologue/kernels (if absolute, as XDG says),
+    else ~/.cache/attn_prologue/kernels; always absolute."""
+    named = env.get(ENV_CACHE_DIR)
+    if named is not None:
+        return named
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return Path(os.path.abspath(base / "attn_prologue" / "kernels"))
 
 
 class CorruptEntryWarning(UserWarning):
     pass
-
-
-class UntrustedCacheError(AttnPrologueError, PermissionError):
-    """A cache path is owned by someone else, writable by others, or a symbolic link."""
 
 
 class CacheLockTimeout(AttnPrologueError, TimeoutError):
@@ -69,6 +81,10 @@ class CacheLockTimeout(AttnPrologueError, TimeoutError):
 
 class KernelLoadError(AttnPrologueError, RuntimeError):
     """An intact, trusted entry could not be loaded (e.g. a .so built for another machine)."""
+
+
+class NotACacheError(AttnPrologueError, ValueError):
+    """A directory to clean holds things the kernel cache does not make: it is not (only) a cache."""
 
 
 @dataclass(frozen=True)
@@ -90,14 +106,26 @@ ENTRY_POINT_GROUP = "attn_prologue.kernels"  # installed wheels of prebuilt kern
 def installed_prebuilt() -> list[KernelCache]:
     """Read-only caches shipped as installed wheels: each entry point of ENTRY_POINT_GROUP names a
     package whose `ROOT` is a kernel-cache tree. Trusted as a shared cache (owner anyone, writable by
-    no one else, no links), never written."""
+    no one else, no links), never written; a wheel that cannot be used is skipped with a warning."""
     out = []
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
-            out.append(KernelCache(Path(ep.load().ROOT), trust="shared", prebuilt=[]))
-        except Exception as exc:  # a broken kernels wheel never breaks serving: compile instead
+            shipped = KernelCache(Path(ep.load().ROOT), trust="shared", prebuilt=[])
+            with shipped.tree.opened():  # its root and ancestors checked now
+                pass
+            out.append(shipped)
+        except Exception as exc:  # a broken or untrusted kernels wheel never breaks serving: compile instead
             warnings.warn(f"prebuilt kernels {ep.name} ({ep.value}) not used: {exc}", CorruptEntryWarning)
     return out
+
+
+def _timeout(seconds) -> float:
+    if seconds is None:
+        return env.get(ENV_LOCK_TIMEOUT)
+    value = float(seconds)
+    if not (0 < value < float("inf")):
+        raise ValueError(f"lock_timeout must be a finite number of seconds > 0, got {seconds!r}")
+    return value
 
 
 class KernelCache:
@@ -109,11 +137,12 @@ class KernelCache:
         lock_timeout: float | None = None,
         prebuilt: list[KernelCache] | None = None,
     ):
-        self.root = Path(root) if root is not None else default_cache_dir()
-        self.trust = trust or os.environ.get(ENV_TRUST, "own")
+        self.root = Path(os.path.abspath(root)) if root is not None else default_cache_dir()
+        self.trust = trust if trust is not None else env.get(ENV_TRUST)
         if self.trust not in TRUST_MODES:
             raise ValueError(f"cache trust must be one of {TRUST_MODES}, got {self.trust!r}")
-        self.lock_timeout = float(lock_timeout or os.environ.get(ENV_LOCK_TIMEOUT, 900))
+        self.lock_timeout = _timeout(lock_timeout)
+        self.tree = Tree(self.root, self.trust)
         self._prebuilt = prebuilt  # None: the installed kernel wheels, looked up on first need
         self._loaded: dict[KernelKey, Callable] = {}
         self._lock = threading.Lock()
@@ -127,59 +156,26 @@ class KernelCache:
             self._prebuilt = installed_prebuilt()
         return self._prebuilt
 
-    # ---- paths and trust -------------------------------------------------------------------------
+    # ---- paths -----------------------------------------------------------------------------------
     def entry_dir(self, key: KernelKey) -> Path:
         return self.root / key.relpath()
 
     def meta_path(self, key: KernelKey) -> Path:
         return self.entry_dir(key) / "meta.json"
 
-    def check_trusted(self, path: Path) -> None:
-        """UntrustedCacheError unless `path` and every directory from the root down to it may be
-        trusted (see the module docstring). Missing paths are fine (nothing to trust yet)."""
-        path = Path(path)
-        parts = path.relative_to(self.root).parts
-        for depth in range(len(parts) + 1):
-            p = self.root.joinpath(*parts[:depth])
-            try:
-                st = os.lstat(p)
-            except FileNotFoundError:
-                return
-            problem = None
-            if stat.S_ISLNK(st.st_mode):
-                problem = "is a symbolic link"
-            elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                problem = f"is writable by other users (mode {stat.filemode(st.st_mode)})"
-            elif self.trust == "own" and st.st_uid != os.geteuid():
-                problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
-            if problem:
-                fix = (
-                    f"remove it, or use a cache directory of your own ({ENV_CACHE_DIR}=...)"
-                    if self.trust == "own"
-                    else "a shared cache must be read-only for everyone but its owner"
-                )
-                raise UntrustedCacheError(
-                    f"kernel cache path {p} {problem}: refusing to load code from it; {fix}"
-                    + ("" if self.trust == "shared" else f" (a trusted team cache: {ENV_TRUST}=shared)")
-                )
+    def make_private_dirs(self, *parts: str) -> Path:
+        """root/parts, made (with missing ancestors of the root) 0700 whatever the umask, and checked."""
+        with self.tree.opened(*parts, create=True):
+            return self.root.joinpath(*parts)
 
-    def _make_private_dirs(self, d: Path) -> None:
-        """Create d and its missing parents from the root down as 0700, whatever the umask (the
-        root's own parents, outside the cache, are made as usual)."""
-        self.root.parent.mkdir(parents=True, exist_ok=True)
-        missing = []
-        p = d
-        while not p.exists():
-            missing.append(p)
-            if p == self.root:
-                break
-            p = p.parent
-        for p in reversed(missing):
-            try:
-                os.mkdir(p, 0o700)
-            except FileExistsError:
-                pass
-            os.chmod(p, 0o700)
+    def read_files(self, parts: tuple[str, ...], names: tuple[str, ...]) -> dict[str, bytes | None] | None:
+        """The bytes of root/parts/<name> for each name (None: missing or not a regular file), read
+        through checked descriptors; None when the directory does not exist."""
+        with self.tree.opened(*parts) as fd:
+            if fd is None:
+                return None
+            where = self.root.joinpath(*parts)
+            return {name: self.tree.read(fd, name, where / name) for name in names}
 
     # ---- validation ------------------------------------------------------------------------------
     def read_meta(self, key: KernelKey) -> dict | None:
@@ -188,14 +184,14 @@ class KernelCache:
         return meta
 
     def _read_entry(self, key: KernelKey) -> tuple[dict | None, bytes | None]:
-        d = self.entry_dir(key)
-        self.check_trusted(d / "kernel.so")
-        self.check_trusted(d / "meta.json")
-        try:
-            meta = json.loads(_read_no_follow(d / "meta.json"))
-            so = _read_no_follow(d / "kernel.so")
-        except (OSError, ValueError):
+        files = self.read_files(key.relpath().parts, ("meta.json", "kernel.so"))
+        if files is None or files["meta.json"] is None or files["kernel.so"] is None:
             return None, None
+        try:
+            meta = json.loads(files["meta.json"])
+        except (ValueError, RecursionError):
+            return None, None
+        so = files["kernel.so"]
         if not isinstance(meta, dict):
             return None, None
         expected = {
@@ -225,8 +221,7 @@ class KernelCache:
                 f"{self.root} (a shared cache is read-only: build into a cache of your own)"
             )
         d = self.entry_dir(key)
-        self._make_private_dirs(d.parent)
-        self.check_trusted(d.parent)
+        self.make_private_dirs(*key.relpath().parts[:-1])
         with self._build_lock(d):
             meta = None if rebuild else self.read_meta(key)  # another process may have finished it meanwhile
             if meta is not None:
@@ -241,7 +236,7 @@ class KernelCache:
                 meta = compiler.compile_entry(key.variant, key.config, key.target, tmp)
                 for f in tmp.iterdir():
                     os.chmod(f, 0o600)
-                _write_private(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
+                write_private(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
                 if d.exists():
                     shutil.rmtree(d)
                 os.replace(tmp, d)
@@ -267,10 +262,37 @@ class KernelCache:
                 f"process is gone, delete the lock file, or raise {ENV_LOCK_TIMEOUT}"
             ) from None
         try:
-            _write_private(owner, f"pid {os.getpid()} on {os.uname().nodename}\n")
+            write_private(owner, f"pid {os.getpid()} on {os.uname().nodename}\n")
         except OSError:
             pass
         return _Held(lock, owner)
+
+    def clean(self) -> list[str]:
+        """Remove what this cache made at its root (MADE_AT_ROOT); the names removed. Refuses a root
+        that is a link, not owned by this user or writable by others (UntrustedCacheError) and one that
+        holds anything else (NotACacheError), so naming the wrong directory removes nothing."""
+        if self.trust != "own":
+            raise UntrustedCacheError(f"{self.root} is a shared cache: only its owner cleans it")
+        with self.tree.opened() as fd:
+            if fd is None:
+                return []
+            listed = listable(fd)
+            try:
+                names = sorted(os.listdir(listed))
+            finally:
+                os.close(listed)
+            foreign = [n for n in names if not MADE_AT_ROOT.fullmatch(n)]
+            if foreign:
+                raise NotACacheError(
+                    f"{self.root} holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which the "
+                    "kernel cache does not make: refusing to clean it (name the cache directory itself)"
+                )
+            for name in names:
+                if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(name, dir_fd=fd)  # (descriptor-based: never follows a link)
+                else:
+                    os.unlink(name, dir_fd=fd)
+            return names
 
     # ---- loading ---------------------------------------------------------------------------------
     def load(self, key: KernelKey, *, compile_if_missing: bool = True) -> Callable:
@@ -286,11 +308,8 @@ class KernelCache:
             meta, so = self._read_entry(key)
             if meta is not None:
                 self.disk_loads += 1
-            for shipped in self.prebuilt if meta is None else ():
-                meta, so = shipped._read_entry(key)
-                if meta is not None:
-                    self.prebuilt_loads += 1
-                    break
+            else:
+                meta, so = self._read_prebuilt(key)
             if meta is None:
                 if not compile_if_missing:
                     raise FileNotFoundError(
@@ -318,24 +337,44 @@ class KernelCache:
             self._loaded[key] = fn
             return fn
 
-    def _load_verified(self, key: KernelKey, so: bytes) -> Callable:
-        """Load exactly the bytes that were hashed (from a private copy, removed once loaded)."""
-        import tvm_ffi  # here: loading needs TVM-FFI, the cache's other uses (build, inspect) do not
-
-        compiler.preload_runtime()
-        fd, private = tempfile.mkstemp(prefix="attn-prologue-", suffix=".so")  # 0600, unique name
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(so)
+    def _read_prebuilt(self, key: KernelKey) -> tuple[dict | None, bytes | None]:
+        for shipped in list(self.prebuilt):
             try:
-                return tvm_ffi.load_module(private)[compiler.SYMBOL]
-            except Exception as exc:
-                raise KernelLoadError(
-                    f"kernel cache entry {self.entry_dir(key)} passed its checks but did not load on this "
-                    f"machine ({compiler.host_tag()}): {exc}"
-                ) from exc
-        finally:
-            Path(private).unlink(missing_ok=True)
+                meta, so = shipped._read_entry(key)
+            except UntrustedCacheError as exc:  # skipped from now on, like a broken wheel: one warning
+                self.prebuilt.remove(shipped)
+                warnings.warn(f"prebuilt kernels in {shipped.root} not used: {exc}", CorruptEntryWarning)
+                continue
+            if meta is not None:
+                self.prebuilt_loads += 1
+                return meta, so
+        return None, None
+
+    def _load_verified(self, key: KernelKey, so: bytes) -> Callable:
+        """Load exactly the bytes that were hashed. A LoadEnvironmentError (this machine would not map
+        them) passes through: the entry is not at fault, so it is not rebuilt."""
+        compiler.preload_runtime()
+        private = (lambda: self.make_private_dirs(".load")) if self.trust == "own" else None
+        try:
+            module = loading.load(so, _load_tvm_module, private)
+        except loading.LoadEnvironmentError:
+            raise
+        except Exception as exc:
+            raise KernelLoadError(
+                f"kernel cache entry {self.entry_dir(key)} passed its checks but did not load on this "
+                f"machine ({compiler.host_tag()}): {exc}"
+            ) from exc
+        return module[compiler.SYMBOL]
+
+
+def _load_tvm_module(path: str):
+    """tvm_ffi.load_module without its file-name check (a memfd's path has no `.so` suffix): the loader
+    load_module picks for a `.so`, and the module is kept alive for the process, as load_module does."""
+    import tvm_ffi  # here: loading needs TVM-FFI, the cache's other uses (build, inspect) do not
+
+    module = tvm_ffi.get_global_func("ffi.Module.load_from_file.so")(path, "so")
+    tvm_ffi.get_global_func("ffi.ModuleGlobalsAdd")(module)
+    return module
 
 
 class _Held:
@@ -350,31 +389,3 @@ class _Held:
     def __exit__(self, *exc):
         self.owner.unlink(missing_ok=True)
         self.lock.release()
-
-
-def _read_no_follow(path: Path) -> bytes:
-    """The file's bytes, read through a descriptor that refuses symbolic links and non-files."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UntrustedCacheError(f"kernel cache path {path} is a symbolic link") from None
-        raise
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        return f.read()
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write a 0600 file (whatever the umask) through a fresh temporary name and an atomic rename."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

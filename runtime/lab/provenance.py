@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .. import env
 from ..jit import compiler
 
 # the attn_prologue package: runtime/ of the checkout in an editable install
@@ -74,7 +75,7 @@ def copied_tree_state() -> dict | None:
     """For a copied tree (e.g. on a GPU machine, whose copy may carry a stale .git or none): the state
     the copier recorded in $ATTN_PROLOGUE_SOURCE as `<commit>` or `<commit>+dirty`, marked as told
     rather than read. It wins over git when set."""
-    told = os.environ.get(ENV_SOURCE, "")
+    told = env.get(ENV_SOURCE)
     commit, _, flag = told.partition("+")
     if not re.fullmatch(r"[0-9a-f]{40}", commit) or flag not in ("", "dirty"):
         return None

@@ -14,10 +14,11 @@
   machines, 25 s on a 2-core VM); loaded at import when built, else the ops' CUDA kernels are Python
   functions (torch_op.py) and the module reads tensors through the exchange API.
 
-Both live in the kernel cache directory (its `native/` sibling), keyed by their sources, the
-compiler, Python, tvm_ffi (and torch) versions and the host, under the kernel cache's trust rules
-(private directories, nothing owned by another user or writable by others, a hash in meta.json).
-`ATTN_PROLOGUE_NATIVE=0` turns both off.
+Both live inside the kernel cache (`<ATTN_PROLOGUE_CACHE>/native/`, never beside it: a directory the
+user did not name), keyed by their sources, the compiler, Python, tvm_ffi (and torch) versions and the
+host, under the kernel cache's trust rules (read through checked descriptors, private directories,
+nothing owned by another user unless the cache is shared, a hash in meta.json), and are loaded from
+the verified bytes (jit/loading.py). `ATTN_PROLOGUE_NATIVE=0` turns both off.
 """
 
 from __future__ import annotations
@@ -42,9 +43,12 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from .. import env
 from ..errors import AttnPrologueError
+from ..jit import loading
 from ..jit.compiler import host_tag
-from ..jit.kernel_cache import KernelCache, default_cache_dir
+from ..jit.kernel_cache import KernelCache
+from ..jit.trusted_fs import write_private
 
 ENV_NATIVE = "ATTN_PROLOGUE_NATIVE"
 SOURCES = Path(__file__).parent
@@ -60,12 +64,7 @@ class NativeUnavailableWarning(UserWarning):
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_NATIVE, "1") not in ("0", "false", "off", "no")
-
-
-def native_root() -> Path:
-    """Beside the kernel cache: `<ATTN_PROLOGUE_CACHE>/../native` (the default ~/.cache/attn_prologue/native)."""
-    return default_cache_dir().parent / "native"
+    return env.get(ENV_NATIVE)
 
 
 def _compiler(var: str, fallback: str) -> list[str]:
@@ -142,26 +141,35 @@ def entry_key(part: str) -> tuple[str, dict]:
 
 
 def _cache(root: Path | None = None) -> KernelCache:
-    return KernelCache(root or native_root())
+    """The kernel cache the parts live in (`root`: a kernel cache root; default: the configured one)."""
+    return KernelCache(root)
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _entry(part: str) -> tuple[str, ...]:
+    return ("native", part, entry_key(part)[0])
+
+
+def verified(part: str, root: Path | None = None) -> tuple[Path, bytes] | None:
+    """The part's built object and its bytes, read through checked descriptors, if an intact, trusted
+    entry exists (None: not built for this environment; UntrustedCacheError: not trusted)."""
+    cache = _cache(root)
+    files = cache.read_files(_entry(part), ("meta.json", PARTS[part][0]))
+    if files is None or files["meta.json"] is None:
+        return None
+    try:
+        meta = json.loads(files["meta.json"])
+        so = files[meta["file"]] if meta["file"] == PARTS[part][0] else None
+        if so is None or meta["sha256"] != hashlib.sha256(so).hexdigest():
+            return None
+    except (ValueError, RecursionError, KeyError, TypeError):
+        return None
+    return cache.root.joinpath(*_entry(part), PARTS[part][0]), so
 
 
 def built_path(part: str, root: Path | None = None) -> Path | None:
     """The part's built object if an intact, trusted entry exists (UntrustedCacheError otherwise)."""
-    key, _ = entry_key(part)
-    cache = _cache(root)
-    entry = cache.root / part / key
-    cache.check_trusted(entry / "meta.json")
-    try:
-        meta = json.loads((entry / "meta.json").read_text())
-        so = entry / meta["file"]
-        cache.check_trusted(so)
-        return so if meta["sha256"] == _sha256(so) else None
-    except (OSError, ValueError, KeyError):
-        return None
+    found = verified(part, root)
+    return None if found is None else found[0]
 
 
 _build_lock = threading.Lock()
@@ -181,39 +189,59 @@ def build(part: str, root: Path | None = None) -> Path:
                 f"the native {part} is not in the shared cache {cache.root} (a shared cache is read-only: "
                 f"its owner builds it with `attn-prologue build`)"
             )
-        parent = cache.root / part
-        cache._make_private_dirs(parent)
-        with FileLock(str(parent / f"{key}.lock"), timeout=cache.lock_timeout):
+        parent = cache.make_private_dirs(*_entry(part)[:-1])
+        with FileLock(str(parent / f"{key}.lock"), timeout=cache.lock_timeout, mode=0o600):
             found = built_path(part, root)
             if found is not None:
                 return found
             name = PARTS[part][0]
-            tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{key}-"))
-            command = PARTS[part][2](tmp / name)
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise NativeBuildError(
-                    f"building the native {part} failed ({shlex.join(command)}):\n{done.stderr[-4000:]}"
-                )
-            os.chmod(tmp / name, 0o600)
-            meta = {**facts, "file": name, "sha256": _sha256(tmp / name), "command": command}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            os.chmod(tmp / "meta.json", 0o600)
-            entry = parent / key
-            if entry.exists():  # an incomplete or corrupt entry: replace it
-                shutil.rmtree(entry)
-            os.rename(tmp, entry)
+            tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{key}-"))  # 0700
+            try:
+                command = PARTS[part][2](tmp / name)
+                done = subprocess.run(command, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise NativeBuildError(
+                        f"building the native {part} failed ({shlex.join(command)}):\n{done.stderr[-4000:]}"
+                    )
+                os.chmod(tmp / name, 0o600)
+                meta = {**facts, "file": name, "sha256": _sha256(tmp / name), "command": command}
+                write_private(tmp / "meta.json", json.dumps(meta, indent=1))
+                entry = parent / key
+                if entry.exists():  # an incomplete or corrupt entry: replace it
+                    shutil.rmtree(entry)
+                os.rename(tmp, entry)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
             return entry / name
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def load_verified(found: tuple[Path, bytes], loader):
+    """loader(path) on a path holding exactly a part's verified bytes (`verified`; jit/loading.py)."""
+    cache = _cache()
+    private = (lambda: cache.make_private_dirs(".load")) if cache.trust == "own" else None
+    return loading.load(found[1], loader, private)
+
+
+def _extension_module(path: str):
+    loader = importlib.machinery.ExtensionFileLoader(FASTPATH_MODULE, path)
+    spec = importlib.util.spec_from_file_location(FASTPATH_MODULE, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 _tensor_reader = 0  # the loaded C++ torch-op library's ap_dltensor_from_pyobject (0: not loaded)
 
 
-def use_tensor_reader(library: Path) -> None:
-    """Hand the fast-path module the tensor reader of the C++ torch-op library just loaded from this
-    path (it reads a tensor in place; torch's DLPack exchange API serves without it)."""
+def use_tensor_reader(library: ctypes.CDLL) -> None:
+    """Hand the fast-path module the tensor reader of the C++ torch-op library just loaded (it reads a
+    tensor in place; torch's DLPack exchange API serves without it)."""
     global _tensor_reader
-    reader = ctypes.CDLL(str(library)).ap_dltensor_from_pyobject  # the handle torch.ops loaded
+    reader = library.ap_dltensor_from_pyobject
     _tensor_reader = ctypes.cast(reader, ctypes.c_void_p).value or 0
     module = fastpath() if fastpath.cache_info().currsize else None  # not yet made: it takes the reader then
     if module is not None:
@@ -241,11 +269,11 @@ def fastpath():
         _unavailable(f"torch {torch.__version__} has no DLPack exchange API")
         return None
     try:
-        path = build("fastpath")
-        loader = importlib.machinery.ExtensionFileLoader(FASTPATH_MODULE, str(path))
-        spec = importlib.util.spec_from_file_location(FASTPATH_MODULE, path, loader=loader)
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
+        build("fastpath")
+        found = verified("fastpath")
+        if found is None:
+            raise NativeBuildError("the fast-path entry just built does not verify")
+        module = load_verified(found, _extension_module)
         module.init(api, torch.Tensor)
         module.set_unpacker(_tensor_reader)
     except (AttnPrologueError, OSError, ImportError, RuntimeError) as exc:

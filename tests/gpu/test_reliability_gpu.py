@@ -4,6 +4,7 @@ replays with changing inputs stay exact without memory growth."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import attn_prologue as ap
@@ -317,19 +318,15 @@ def test_self_test_fallback_with_injected_fault(monkeypatch, tmp_path):
     # "always": SM90 variants have no distinct fallback, so the machinery is exercised on themselves
     monkeypatch.setenv(selftest.ENV_MODE, "always")
     monkeypatch.setenv(selftest.ENV_FAULT, "1")
-    rt = dispatch.Runtime(selftest_records=selftest.Records(tmp_path))
+    records = selftest.Records(tmp_path)
+    rt = dispatch.Runtime(selftest_records=records)
     args = valid("cuda")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         call_on(rt, args)
     msgs = [str(w.message) for w in caught if issubclass(w.category, selftest.SelfTestWarning)]
     assert msgs and "FAILED" in msgs[0] and "Falling back" in msgs[0]
-    import json
-
-    record = json.loads((tmp_path / selftest.RECORD_NAME).read_text())
-    entries = [e for env in record.values() for e in env.values()]
-    assert entries and all(not e["ok"] and e["use"].endswith(("_sm90", "_portable")) for e in entries)
-    # the bound (fallback) kernel is correct, and a second runtime reads the record instead of re-testing
+    # the bound (fallback) kernel is correct
     ref = valid("cuda")
     reference.qnorm_rope_kv_insert(
         *(ref[k] for k in ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache")),
@@ -337,6 +334,19 @@ def test_self_test_fallback_with_injected_fault(monkeypatch, tmp_path):
     )  # fmt: skip
     torch.cuda.synchronize()
     assert torch.equal(args["k_cache"], ref["k_cache"])
+    # a verdict on an injected fault holds for this process (no second test) and is never recorded
+    assert not (tmp_path / selftest.RECORD_NAME).exists()
+    monkeypatch.setattr(selftest, "run", lambda *a, **k: pytest.fail("self-test ran again in this process"))
+    call_on(dispatch.Runtime(selftest_records=records), valid("cuda"))
+
+
+def test_a_self_test_verdict_is_recorded_for_later_processes(monkeypatch, tmp_path):
+    monkeypatch.setenv(selftest.ENV_MODE, "always")
+    monkeypatch.delenv(selftest.ENV_FAULT, raising=False)
+    call_on(dispatch.Runtime(selftest_records=selftest.Records(tmp_path)), valid("cuda"))
+    record = json.loads((tmp_path / selftest.RECORD_NAME).read_text())
+    entries = [e for env in record.values() for e in env.values()]
+    assert entries and all(e["ok"] and e["use"].endswith(("_sm90", "_portable")) for e in entries)
     monkeypatch.setattr(
         selftest, "run", lambda *a, **k: pytest.fail("self-test ran again despite the record")
     )
