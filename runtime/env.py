@@ -76,6 +76,7 @@ VARIABLES = {
         Variable("ATTN_PROLOGUE_SELFTEST_FAULT", _flag, False, "a flag, as `ATTN_PROLOGUE_NATIVE`"),
         Variable("ATTN_PROLOGUE_TUNING_DB", _path, None, "a file (made absolute)"),
         Variable("ATTN_PROLOGUE_SOURCE", str, "", "`<40-hex commit>` or `<commit>+dirty`"),
+        Variable("ATTN_PROLOGUE_NVDISASM", _path, None, "a file (made absolute)"),
     )
 }
 

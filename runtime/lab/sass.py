@@ -40,7 +40,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from .. import dispatch
+from .. import dispatch, env
 from ..errors import AttnPrologueError
 from ..jit import compiler
 from ..jit.kernel_cache import KernelCache, KernelKey
@@ -62,8 +62,8 @@ class SassError(AttnPrologueError, RuntimeError):
 # ---- tools and cubins ---------------------------------------------------------------------------------
 def nvdisasm_candidates() -> list[Path]:
     out = []
-    if os.environ.get(ENV_NVDISASM):
-        out.append(Path(os.environ[ENV_NVDISASM]))
+    if env.get(ENV_NVDISASM) is not None:
+        out.append(env.get(ENV_NVDISASM))
     if shutil.which("nvdisasm"):
         out.append(Path(shutil.which("nvdisasm")))
     out.append(Path("/usr/local/cuda/bin/nvdisasm"))
