@@ -165,16 +165,36 @@ def abs_max(x) -> Float32:
 
 
 # ---- RoPE -------------------------------------------------------------------------------------
-def rope_rotate(frag: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor):
+def rope_rotate(frag: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, odd_cos: bool = False):
     """GPT-J rotation of the VEC/2 interleaved pairs in `frag` (float32 registers) in place:
-    even' = fma(e, c, -(o*s)), odd' = fma(e, s, o*c)."""
+    even' = fma(e, c, -(o*s)), odd' = fma(e, s, o*c), or fma(o, c, e*s) with `odd_cos`
+    (RopeOrder.ODD_COS: the odd term Triton's and TensorRT-LLM's writers fuse)."""
     for i in range(VEC // 2):
         e = frag[2 * i]
         o = frag[2 * i + 1]
         c = cos[i]
         s = sin[i]
         frag[2 * i] = cute.math.fma(e, c, -(o * s))
-        frag[2 * i + 1] = cute.math.fma(e, s, o * c)
+        frag[2 * i + 1] = cute.math.fma(o, c, e * s) if odd_cos else cute.math.fma(e, s, o * c)
+
+
+def fma_rn_zero(a: Float32, negative: bool, b: Float32) -> Float32:
+    """a * (+-0.0) + b with one IEEE rounding (fma.rn.f32): never folded away, so a signed zero,
+    a NaN or an Inf in `a` or `b` acts on the result as the rotation's arithmetic does."""
+    zero = "0f80000000" if negative else "0f00000000"
+    return cute.arch.inline_ptx(
+        f"fma.rn.f32 {{$w0}}, {{$r0}}, {zero}, {{$r1}};", write_only_types=[Float32], read_only_args=[a, b]
+    )
+
+
+def rope_identity(frag: cute.Tensor):
+    """NopeRotation.IDENTITY on the VEC/2 pairs in `frag`: the rotation with c = 1, s = 0, i.e.
+    even' = e - o*0 and odd' = o + e*0 (both FMA orders give these: adding a zero is exact)."""
+    for i in range(VEC // 2):
+        e = frag[2 * i]
+        o = frag[2 * i + 1]
+        frag[2 * i] = fma_rn_zero(o, True, e)
+        frag[2 * i + 1] = fma_rn_zero(e, False, o)
 
 
 def load_cos_sin_into(
@@ -244,6 +264,26 @@ def e2m1_positive_zeros(word: Uint32) -> Uint32:
     mag = word & Uint32(0x77777777)
     nonzero = (mag | (mag >> Uint32(1)) | (mag >> Uint32(2))) & Uint32(0x11111111)
     return mag | (word & (nonzero << Uint32(3)))
+
+
+def e2m1_exact_negative_zeros(y) -> Uint32:
+    """The sign bits (0x8 per nibble, element i in nibble i) of the elements of `y` that are exactly
+    -0.0: clearing them is Fp4Zero.EXACT."""
+    word = Uint32(0)
+    for i in range(VEC):
+        word = word | cutlass.select_(f32_bits(y[i]) == Uint32(0x80000000), Uint32(8 << (4 * i)), Uint32(0))
+    return word
+
+
+def e4m3_nan_bytes(frag: cute.Tensor, negative):
+    """Replace the NaN bytes (0x7F, the only NaN cvt.rn.satfinite.e4m3x2 emits) of 8 e4m3 values in
+    place by 0x7E (+448), or 0xFE (-448) where `negative`: E4m3Nan.POS_MAX / NEG_MAX. A byte whose low
+    seven bits are all ones carries into its bit 7 when 1 is added to them: no finite e4m3 does."""
+    words = cute.recast_tensor(frag, Uint32)
+    for i in range(VEC // 4):
+        w = words[i]
+        hit = ((w & Uint32(0x7F7F7F7F)) + Uint32(0x01010101)) & Uint32(0x80808080)
+        words[i] = (w ^ (hit >> Uint32(7))) | cutlass.select_(negative, hit, Uint32(0))
 
 
 def store_byte(addr: Int64, byte_offset: Int64, value):
