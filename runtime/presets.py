@@ -61,7 +61,6 @@ KV_NORM_NOTE = (
     "kv_norm op only: the writer's weighted RMSNorm uses tl.rsqrt (approximate) and a tree sum, so a "
     "normed value can round to the neighbouring bf16 (rarely visible after quantization); the kv op matches"
 )
-FP4_CVT_NAN = "NaN goes through cvt.rn.satfinite.e2m1x2 as here (the portable conversion stores +6)"
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -117,7 +116,7 @@ PRESETS: dict[str, Preset] = {
                     ),
                     f"{VLLM_V41}fused_compress_quant_cache.py @1bd28daa (_rope_quant_insert_nvfp4_kernel: "
                     "clamp(amax * (1/6), 2^-9, 448), div_rn, cvt.rn.satfinite.e2m1x2)",
-                    {"NaN": FP4_CVT_NAN},
+                    {},
                 ),
                 "fp8_token": PresetEntry(
                     Numerics(
@@ -137,7 +136,6 @@ PRESETS: dict[str, Preset] = {
                         "finite": KV_NORM_NOTE,
                         "Inf": "a block holding Inf: byte 254 as here, but its elements are scaled by 2^-127 "
                         "(here 2^-126), which differs for finite values >= 2^124 in that block",
-                        "NaN": FP4_CVT_NAN,
                     },
                 ),
                 "bf16": PresetEntry(
@@ -180,7 +178,7 @@ PRESETS: dict[str, Preset] = {
                     "sgl-project/sglang python/sglang/kernels/jit/include/sgl_kernel/deepseek_v4/kv_layout.cuh "
                     "@2005a302 (store_row_fp4: e4m3(clamp(amax / 6, 2^-9, 448)), __fdiv_rn, the sign kept; "
                     "its amax / 6 equals amax * fl(1/6) here for every bf16 or fp16 amax)",
-                    {"NaN": FP4_CVT_NAN},
+                    {},
                 ),
             },
         ),
@@ -192,7 +190,7 @@ PRESETS: dict[str, Preset] = {
                     Numerics(fp4_zero=Fp4Zero.SIGNED),
                     "flashinfer-ai/flashinfer include/flashinfer/attention/sparse_mla_sm120/common/"
                     "nvfp4_quantization.cuh @3fe65b06 (e4m3(amax / 6), x * (1 / s), 0 when s is 0)",
-                    {"NaN": FP4_CVT_NAN},
+                    {},
                 ),
             },
         ),
