@@ -119,9 +119,9 @@ def _quantize_e4m3_groups(fmt: CacheFormat, x: torch.Tensor):
 
 
 def e2m1_codes(y: torch.Tensor, fp4_zero: Fp4Zero | None) -> torch.Tensor:
-    """E2M1 codes of values in element units, with the sign of zero results by the choice (EXACT:
-    y + 0.0 first, which turns only an exact -0.0 into +0.0)."""
-    codes = nx.e2m1_codes(y + 0.0 if fp4_zero is Fp4Zero.EXACT else y)
+    """E2M1 codes of values in element units, with the sign of zero results by the choice (EXACT is
+    applied to the values before they are scaled: encode_tokens)."""
+    codes = nx.e2m1_codes(y)
     if fp4_zero is Fp4Zero.POSITIVE:
         codes = torch.where(codes == 0x8, torch.zeros_like(codes), codes)
     return codes
@@ -151,6 +151,8 @@ def encode_tokens(
     m, d = x.shape
     nq, tail = fmt.dims(d)
     xq = x[:, :nq]
+    if num.fp4_zero is Fp4Zero.EXACT:
+        xq = xq + 0.0  # an exact -0.0 is quantized as +0.0 (-0.0 + 0.0 = +0.0; nothing else changes)
     parts = []
     scale = x.new_empty((m, 0), dtype=torch.uint8)
     if fmt.element is ElementCode.BF16:

@@ -191,9 +191,9 @@ class Kernel:
         return tables
 
     @cute.jit
-    def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos: cutlass.Constexpr = False):
+    def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos=False):
         """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set (`odd_cos`:
-        RopeOrder.ODD_COS, the KV path only)."""
+        RopeOrder.ODD_COS, a run-time Boolean on the KV path)."""
         for s in range_constexpr(SLOTS):
             if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
                 j = s * LANES_PER_ROW + sub
@@ -306,10 +306,7 @@ class Kernel:
                 ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
                 for s in range_constexpr(SLOTS):
                     ys[s].store(frags[s].load().to(Float32))
-                if (args.numerics & ROPE_ODD_COS) != 0:
-                    self.rotate_tail(ys, tables, ok, sub, True)
-                else:
-                    self.rotate_tail(ys, tables, ok, sub)
+                self.rotate_tail(ys, tables, ok, sub, (args.numerics & ROPE_ODD_COS) != 0)
                 if (args.numerics & NOPE_ROTATION) != 0:
                     self.rotate_nope(ys, sub)
                 if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype

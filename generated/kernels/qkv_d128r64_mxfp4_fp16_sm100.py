@@ -224,9 +224,9 @@ class Kernel:
         return tables
 
     @cute.jit
-    def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos: cutlass.Constexpr = False):
+    def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos=False):
         """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set (`odd_cos`:
-        RopeOrder.ODD_COS, the KV path only)."""
+        RopeOrder.ODD_COS, a run-time Boolean on the KV path)."""
         for s in range_constexpr(SLOTS):
             if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
                 j = s * LANES_PER_ROW + sub
@@ -339,15 +339,15 @@ class Kernel:
                 ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
                 for s in range_constexpr(SLOTS):
                     ys[s].store(frags[s].load().to(Float32))
-                if (args.numerics & ROPE_ODD_COS) != 0:
-                    self.rotate_tail(ys, tables, ok, sub, True)
-                else:
-                    self.rotate_tail(ys, tables, ok, sub)
+                self.rotate_tail(ys, tables, ok, sub, (args.numerics & ROPE_ODD_COS) != 0)
                 if (args.numerics & NOPE_ROTATION) != 0:
                     self.rotate_nope(ys, sub)
                 if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
                     for s in range_constexpr(SLOTS):
                         ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+                if (args.numerics & FP4_EXACT_ZERO) != 0:  # Fp4Zero.EXACT: an exact -0.0 is quantized as +0.0
+                    for s in range_constexpr(SLOTS):
+                        kl.add_zero(ys[s])
                 xr = [ys[s].load() for s in range(SLOTS)]
                 block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
                 if slot > Int64(0x7FFFFFFF):
@@ -357,20 +357,16 @@ class Kernel:
                 data = page + o * DATA_BYTES
                 scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
                 # amax = max|x| per block; e = ceil(log2(max(amax, floor) / ELEMENT_MAX)); values x * 2^-e
-                floor = Float32(AMAX_FLOOR)
                 for s in range_constexpr(SLOTS):
                     j = s * LANES_PER_ROW + sub
                     amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
-                    quot = kl.fmax(amax, floor) / Float32(ELEMENT_MAX)
+                    quot = kl.fmax(amax, Float32(AMAX_FLOOR)) / Float32(ELEMENT_MAX)
                     byte = ue8m0_byte(quot)
                     e = Int32(byte) - 127
-                    multiplier = kl.scale_multiplier(e)
-                    y = xr[s] * multiplier
+                    y = xr[s] * kl.scale_multiplier(e)
                     packed = e2m1_pack8(y)
                     if (args.numerics & FP4_POSITIVE_ZERO) != 0:
                         packed = kl.e2m1_positive_zeros(packed)
-                    if (args.numerics & FP4_EXACT_ZERO) != 0:
-                        packed = packed & ~kl.e2m1_exact_negative_zeros(y)
                     if ok:
                         kl.store_u32(data, Int64(j * 4), packed)
                         if sub % LANES_PER_BLOCK == 0:

@@ -208,9 +208,9 @@ class Kernel:
         return tables
 
     @cute.jit
-    def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos: cutlass.Constexpr = False):
+    def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos=False):
         """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set (`odd_cos`:
-        RopeOrder.ODD_COS, the KV path only)."""
+        RopeOrder.ODD_COS, a run-time Boolean on the KV path)."""
         for s in range_constexpr(SLOTS):
             if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
                 j = s * LANES_PER_ROW + sub
@@ -323,10 +323,7 @@ class Kernel:
                 ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
                 for s in range_constexpr(SLOTS):
                     ys[s].store(frags[s].load().to(Float32))
-                if (args.numerics & ROPE_ODD_COS) != 0:
-                    self.rotate_tail(ys, tables, ok, sub, True)
-                else:
-                    self.rotate_tail(ys, tables, ok, sub)
+                self.rotate_tail(ys, tables, ok, sub, (args.numerics & ROPE_ODD_COS) != 0)
                 if (args.numerics & NOPE_ROTATION) != 0:
                     self.rotate_nope(ys, sub)
                 if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
@@ -341,21 +338,19 @@ class Kernel:
                 data = page + o * DATA_BYTES
                 scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
                 # amax = max|x| per block; e = ceil(log2(max(amax, floor) * fl(1 / ELEMENT_MAX))); values x * 2^-e
-                floor = Float32(AMAX_FLOOR)
                 for s in range_constexpr(SLOTS):
                     j = s * LANES_PER_ROW + sub
                     amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
-                    quot = kl.fmax(amax, floor) * Float32(1.0 / ELEMENT_MAX)
+                    quot = kl.fmax(amax, Float32(AMAX_FLOOR)) * Float32(1.0 / ELEMENT_MAX)
                     byte = ue8m0_byte(quot)
                     e = Int32(byte) - 127
-                    multiplier = kl.scale_multiplier(e)
-                    if (args.numerics & (INF_SCALE_OVERFLOW)) != 0:
-                        # InfScale.OVERFLOW / WRAPPED: a block holding Inf takes e = 128 and multiplies every element by 0
-                        inf = amax == Float32(float("inf"))
-                        e = cutlass.select_(inf, Int32(128), e)  # the stored scale 2^128 is float32 +Inf
-                        multiplier = cutlass.select_(inf, Float32(0.0), multiplier)
-                    y = xr[s] * multiplier
+                    y = xr[s] * kl.scale_multiplier(e)
                     values = kl.e4m3_vector(y)
+                    if ((args.numerics & (INF_SCALE_OVERFLOW)) != 0) & (e == 127):
+                        # InfScale.OVERFLOW / WRAPPED: a block holding Inf (the only one whose e saturates at 127: a
+                        # finite amax / 448 is below 2^120) takes e = 128 and every element x * 0, rewritten on the bytes
+                        e = Int32(128)  # the stored scale 2^128 is float32 +Inf
+                        kl.e4m3_times_zero(values)
                     if (args.numerics & (E4M3_NAN_POS_MAX | E4M3_NAN_NEG_MAX)) != 0:
                         kl.e4m3_nan_bytes(values, (args.numerics & E4M3_NAN_NEG_MAX) != 0)
                     if ok:

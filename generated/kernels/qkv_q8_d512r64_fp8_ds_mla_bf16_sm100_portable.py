@@ -214,9 +214,9 @@ class Kernel:
         return tables
 
     @cute.jit
-    def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos: cutlass.Constexpr = False):
+    def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos=False):
         """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set (`odd_cos`:
-        RopeOrder.ODD_COS, the KV path only)."""
+        RopeOrder.ODD_COS, a run-time Boolean on the KV path)."""
         for s in range_constexpr(SLOTS):
             if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
                 j = s * LANES_PER_ROW + sub
@@ -329,10 +329,7 @@ class Kernel:
                 ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
                 for s in range_constexpr(SLOTS):
                     ys[s].store(frags[s].load().to(Float32))
-                if (args.numerics & ROPE_ODD_COS) != 0:
-                    self.rotate_tail(ys, tables, ok, sub, True)
-                else:
-                    self.rotate_tail(ys, tables, ok, sub)
+                self.rotate_tail(ys, tables, ok, sub, (args.numerics & ROPE_ODD_COS) != 0)
                 if (args.numerics & NOPE_ROTATION) != 0:
                     self.rotate_nope(ys, sub)
                 if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
@@ -347,23 +344,25 @@ class Kernel:
                 data = page + o * DATA_BYTES
                 scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
                 # amax = max|x| per block; e = ceil(log2(max(amax, floor) / ELEMENT_MAX)) (SCALE_FLOOR: of max(amax / ELEMENT_MAX, floor)); values x * 2^-e
-                floor = cutlass.select_((args.numerics & AMAX_FLOOR_1E8) != 0, Float32(1e-8), Float32(AMAX_FLOOR))
+                # the floor (AMAX_FLOOR or 1e-8) on amax (ScaleFloor.AMAX) or on the exponent (SCALE): ceil(log2) is
+                # monotone, so ceil(log2(max(amax / 448, floor))) = max(ceil(log2(amax / 448)), ceil(log2(floor)))
+                floor8 = (args.numerics & AMAX_FLOOR_1E8) != 0
+                on_scale = (args.numerics & SCALE_FLOOR) != 0
+                amax_floor = cutlass.select_(on_scale, Float32(0.0), cutlass.select_(floor8, Float32(1e-8), Float32(AMAX_FLOOR)))
+                byte_floor = Uint32(cutlass.select_(on_scale, cutlass.select_(floor8, Uint32(101), Uint32(114)), Uint32(0)))
                 for s in range_constexpr(SLOTS):
                     j = s * LANES_PER_ROW + sub
                     amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
-                    quot = kl.fmax(amax, floor) / Float32(ELEMENT_MAX)
-                    if (args.numerics & SCALE_FLOOR) != 0:
-                        quot = kl.fmax(amax / Float32(ELEMENT_MAX), floor)
-                    byte = ue8m0_byte(quot)
+                    quot = kl.fmax(amax, amax_floor) / Float32(ELEMENT_MAX)
+                    byte = cutlass.max(ue8m0_byte(quot), byte_floor)
                     e = Int32(byte) - 127
-                    multiplier = kl.scale_multiplier(e)
-                    if (args.numerics & (INF_SCALE_OVERFLOW | INF_SCALE_WRAPPED)) != 0:
-                        # InfScale.OVERFLOW / WRAPPED: a block holding Inf takes e = 128 and multiplies every element by 0
-                        inf = amax == Float32(float("inf"))
-                        byte = Uint32(cutlass.select_(inf, cutlass.select_((args.numerics & INF_SCALE_WRAPPED) != 0, Uint32(126), Uint32(255)), byte))
-                        multiplier = cutlass.select_(inf, Float32(0.0), multiplier)
-                    y = xr[s] * multiplier
+                    y = xr[s] * kl.scale_multiplier(e)
                     values = kl.e4m3_vector(y)
+                    if ((args.numerics & (INF_SCALE_OVERFLOW | INF_SCALE_WRAPPED)) != 0) & (e == 127):
+                        # InfScale.OVERFLOW / WRAPPED: a block holding Inf (the only one whose e saturates at 127: a
+                        # finite amax / 448 is below 2^120) takes e = 128 and every element x * 0, rewritten on the bytes
+                        byte = Uint32(cutlass.select_((args.numerics & INF_SCALE_WRAPPED) != 0, Uint32(126), Uint32(255)))
+                        kl.e4m3_times_zero(values)
                     if (args.numerics & (E4M3_NAN_POS_MAX | E4M3_NAN_NEG_MAX)) != 0:
                         kl.e4m3_nan_bytes(values, (args.numerics & E4M3_NAN_NEG_MAX) != 0)
                     if ok:

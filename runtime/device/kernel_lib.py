@@ -165,17 +165,23 @@ def abs_max(x) -> Float32:
 
 
 # ---- RoPE -------------------------------------------------------------------------------------
-def rope_rotate(frag: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, odd_cos: bool = False):
+def rope_rotate(frag: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, odd_cos=False):
     """GPT-J rotation of the VEC/2 interleaved pairs in `frag` (float32 registers) in place:
-    even' = fma(e, c, -(o*s)), odd' = fma(e, s, o*c), or fma(o, c, e*s) with `odd_cos`
-    (RopeOrder.ODD_COS: the odd term Triton's and TensorRT-LLM's writers fuse)."""
+    even' = fma(e, c, -(o*s)), odd' = fma(e, s, o*c), or fma(o, c, e*s) where `odd_cos` is set
+    (RopeOrder.ODD_COS, the odd term of Triton's and TensorRT-LLM's writers). A run-time Boolean
+    selects the fma's operands (4 selects a pair): fewer registers than two copies of the rotation."""
     for i in range(VEC // 2):
         e = frag[2 * i]
         o = frag[2 * i + 1]
         c = cos[i]
         s = sin[i]
         frag[2 * i] = cute.math.fma(e, c, -(o * s))
-        frag[2 * i + 1] = cute.math.fma(o, c, e * s) if odd_cos else cute.math.fma(e, s, o * c)
+        if isinstance(odd_cos, bool):
+            frag[2 * i + 1] = cute.math.fma(o, c, e * s) if odd_cos else cute.math.fma(e, s, o * c)
+        else:  # the same fma with its two products swapped
+            a, b = cutlass.select_(odd_cos, o, e), cutlass.select_(odd_cos, c, s)
+            p, q = cutlass.select_(odd_cos, e, o), cutlass.select_(odd_cos, s, c)
+            frag[2 * i + 1] = cute.math.fma(a, b, p * q)
 
 
 def fma_rn_zero(a: Float32, negative: bool, b: Float32) -> Float32:
@@ -266,13 +272,23 @@ def e2m1_positive_zeros(word: Uint32) -> Uint32:
     return mag | (word & (nonzero << Uint32(3)))
 
 
-def e2m1_exact_negative_zeros(y) -> Uint32:
-    """The sign bits (0x8 per nibble, element i in nibble i) of the elements of `y` that are exactly
-    -0.0: clearing them is Fp4Zero.EXACT."""
-    word = Uint32(0)
-    for i in range(VEC):
-        word = word | cutlass.select_(f32_bits(y[i]) == Uint32(0x80000000), Uint32(8 << (4 * i)), Uint32(0))
-    return word
+def add_zero(frag: cute.Tensor):
+    """frag[i] + 0.0 in place (add.rn.f32, never folded away): -0.0 becomes +0.0, nothing else changes."""
+    for i in range(cute.size(frag)):
+        frag[i] = cute.arch.inline_ptx(
+            "add.rn.f32 {$w0}, {$r0}, 0f00000000;", write_only_types=[Float32], read_only_args=[frag[i]]
+        )
+
+
+def e4m3_times_zero(frag: cute.Tensor):
+    """8 e4m3 bytes of x * 2^-126 in a block holding Inf rewritten in place as those of x * 0: Inf and
+    NaN (here 0x7E / 0x7F: no finite x * 2^-126 reaches 448) become NaN 0x7F, every other byte +-0 with
+    its sign (InfScale.OVERFLOW / WRAPPED)."""
+    words = cute.recast_tensor(frag, Uint32)
+    for i in range(VEC // 4):
+        w = words[i]
+        big = ((w & Uint32(0x7F7F7F7F)) + Uint32(0x02020202)) & Uint32(0x80808080)  # low 7 bits >= 0x7E
+        words[i] = (big >> Uint32(7)) * Uint32(0x7F) | (w & Uint32(0x80808080) & ~big)
 
 
 def e4m3_nan_bytes(frag: cute.Tensor, negative):
