@@ -1,6 +1,6 @@
 """Engine presets: the parity choices that make each engine's cache writer, by one name.
 
-`numerics="vllm-triton"` (or `Numerics(preset="vllm-triton")`) resolves per cache format to the
+`numerics="preset=vllm-triton"` (or `Numerics(preset="vllm-triton")`) resolves per cache format to the
 fields below; fields given next to it override them (`"preset=vllm-triton, fp4_zero=positive"`), and
 every field a preset leaves out keeps the format's default. A preset has an entry only for the
 formats its engine writes and whose writer source was read; any other format is a NumericsError
@@ -59,7 +59,7 @@ APPROX_LOG2 = (
 )
 KV_NORM_NOTE = (
     "kv_norm op only: the writer's weighted RMSNorm uses tl.rsqrt (approximate) and a tree sum, so a "
-    "normed value can round to the neighbouring bf16 (rarely visible after quantization); the kv op matches"
+    "normed value can round to the neighbouring bf16 (rarely visible after quantization)"
 )
 
 PRESETS: dict[str, Preset] = {
