@@ -9,6 +9,7 @@ from attn_prologue import reference as ref
 from attn_prologue.formats import Fp4Zero, Numerics, RotatedRow, ScaleFloor, get_format
 
 from .support.golden import (
+    INF,
     byte_row,
     encode,
     encode_with,
@@ -110,3 +111,27 @@ def test_numerics_a_format_does_not_have_is_refused():
     with pytest.raises(ValueError, match="fp8_ds_mla has no fp4_zero choice"):
         encode_with("fp8_ds_mla", torch.zeros(1, 512), Numerics(fp4_zero=Fp4Zero.SIGNED))
     assert get_format("mxfp8").resolve_numerics(Numerics()) == get_format("mxfp8").numerics
+
+
+def test_field_values_no_preset_uses():
+    """The values only the field spelling reaches, by hand:
+    mxfp8 inf_scale=126: block 0 = (Inf, 2, -3) -> byte 126 and every element x * 0: Inf -> NaN ->
+    0x7F (e4m3_nan default), 2 -> +0, -3 -> -0 (0x80); the zero blocks keep byte 105.
+    nvfp4_dsv4 scale_pad=skip: group 0 amax 1 -> 1 / 6 = 1.333 * 2^-3 -> e4m3 1.375 * 2^-3 (0x23, nearer
+    than 1.25), the zero groups 0x00; the footer's 4 pad bytes keep the cache's poison (0xA5).
+    fp8_tensor nope_rotation=identity (kv_scale 1, position 0 with cos 1, sin 0): (-0, -2) ->
+    (-0 - (-2 * 0), -2 + -0 * 0) = (+0, -2): bytes 0x00, 0xC0 (the default keeps 0x80 for the -0)."""
+    data, scale = encode_with("mxfp8", f32_row(512, {0: INF, 1: 2.0, 2: -3.0}), "inf_scale=126")
+    assert data[0, :3].tolist() == [0x7F, 0x00, 0x80] and scale[0].tolist() == [126] + [105] * 15
+    cache = torch.full((1, 2 * 384), 0xA5, dtype=torch.uint8)
+    fmt = get_format("nvfp4_dsv4")
+    ref.insert_kv(cache, fmt, f32_row(512, {0: 1.0}), torch.tensor([1]), 2, numerics="scale_pad=skip")
+    footer = cache[0, 2 * 352 + 32 : 2 * 352 + 64].tolist()  # token 1's scale record
+    assert footer == [0x23] + [0x00] * 27 + [0xA5] * 4
+    cs = torch.cat((torch.ones(1, 16), torch.zeros(1, 16)), dim=1)
+    kv = torch.tensor([[-0.0, -2.0] + [0.0] * 62], dtype=torch.bfloat16)
+    for numerics, first in (("", 0x80), ("nope_rotation=identity", 0x00)):
+        cache = torch.full((1, 64), 0xA5, dtype=torch.uint8)
+        ref.kv_rope_insert(kv, cache, torch.tensor([0]), torch.tensor([0]), cs, 1, "fp8_tensor",
+                           kv_scale=torch.tensor(1.0), numerics=numerics)  # fmt: skip
+        assert cache[0, :3].tolist() == [first, 0xC0, 0x00]
