@@ -6,9 +6,10 @@ follow from the variant's axes and attn_prologue.formats.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
-from attn_prologue.formats import NUMERICS_FLAGS, ElementCode, ScaleCode
+from attn_prologue.formats import CHOICE_TYPES, NUMERICS_FLAGS, AmaxFloor, ElementCode, ScaleCode
 from attn_prologue.variants import Op, QFlag, QLayout, QOut, Variant
 
 VEC = 8
@@ -22,6 +23,12 @@ class Argument:
     name: str
     dsl_type: str  # annotation in the compiled signature
     fake: str  # expression building its compile-time stand-in
+
+
+def ceil_log2_f32(x: float) -> int:
+    """ceil(log2(fl32(x))) for a positive normal x, from the float32 bits (as the kernels take it)."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    return ((bits + 0x7FFFFF) >> 23) - 127
 
 
 def _fakes(v: Variant) -> dict[str, Argument]:
@@ -82,6 +89,7 @@ def make_plan(v: Variant) -> dict:
     else:
         encoder = "block_scaled"
     sig = signature(v)
+    choices = f.numerics_choices()
     return {
         "lanes_per_row": lanes,
         "rows_per_pass": WARP // lanes,
@@ -108,10 +116,14 @@ def make_plan(v: Variant) -> dict:
         "divide_by_scale": f.divide_by_scale,
         # the parity choices this format has (formats.Numerics), read from the run-time `numerics` bits
         "numerics_flags": {
-            flag.name: int(flag) for field, (_, flag) in NUMERICS_FLAGS.items() if getattr(f.numerics, field)
+            NUMERICS_FLAGS[field][value].name: int(NUMERICS_FLAGS[field][value])
+            for field, values in choices.items()
+            for value in values
+            if value in NUMERICS_FLAGS[field]
         },
-        "scale_floor_choice": f.numerics.scale_floor is not None,
-        "fp4_zero_choice": f.numerics.fp4_zero is not None,
+        "choices": {field: field in choices for field in CHOICE_TYPES},
+        # ScaleFloor.SCALE as the least UE8M0 byte: 127 + ceil(log2(fl32(floor))), for AmaxFloor.E4 / E8
+        "floor_bytes": tuple(ceil_log2_f32(float(v.value)) + 127 for v in AmaxFloor),
         "needs_e2m1": f.element is ElementCode.E2M1,
         "needs_ue8m0": f.scale in (ScaleCode.UE8M0, ScaleCode.F32_POW2),
         "q_flags": {flag.name: int(flag) for flag in QFlag} if v.op.has_q else {},

@@ -11,7 +11,17 @@ from __future__ import annotations
 import torch
 
 from . import numerics as nx
-from .formats import CacheFormat, ElementCode, Fp4Zero, Numerics, ScaleCode, ScaleFloor
+from .formats import (
+    AmaxFloor,
+    CacheFormat,
+    E4m3Nan,
+    ElementCode,
+    Fp4Zero,
+    InfScale,
+    Numerics,
+    ScaleCode,
+    ScaleFloor,
+)
 
 
 # ---- quantization blocks ------------------------------------------------------------------
@@ -27,39 +37,61 @@ def _scale_quotient(fmt: CacheFormat, amax: torch.Tensor) -> torch.Tensor:
     return amax * _f32_const(1.0 / fmt.fp_max, amax)
 
 
-def block_exponent(
-    fmt: CacheFormat, amax: torch.Tensor, scale_floor: ScaleFloor | None = None
-) -> torch.Tensor:
+def amax_floor(fmt: CacheFormat, num: Numerics | None = None) -> float:
+    """The floor of a block's exponent: the format's, or 1e-8 for AmaxFloor.E8 (TensorRT-LLM)."""
+    return 1e-8 if num is not None and num.amax_floor is AmaxFloor.E8 else fmt.amax_floor
+
+
+def block_exponent(fmt: CacheFormat, amax: torch.Tensor, num: Numerics | None = None) -> torch.Tensor:
     """The UE8M0 exponent per block (int32), exact from the float32 bits of the quotient:
     ScaleFloor.AMAX (and formats without the choice): e = ceil(log2(max(amax, floor) / fp_max));
-    ScaleFloor.SCALE: e = ceil(log2(max(amax / fp_max, floor)))."""
-    if scale_floor is ScaleFloor.SCALE:
-        r = torch.clamp_min(_scale_quotient(fmt, amax), fmt.amax_floor)
+    ScaleFloor.SCALE: e = ceil(log2(max(amax / fp_max, floor))). A block holding Inf: e saturates
+    at 127, or is 128 with InfScale.OVERFLOW / WRAPPED (its byte: ue8m0_byte)."""
+    num = fmt.resolve_numerics(num)
+    floor = amax_floor(fmt, num)
+    if num.scale_floor is ScaleFloor.SCALE:
+        r = torch.clamp_min(_scale_quotient(fmt, amax), floor)
     else:
-        r = _scale_quotient(fmt, torch.clamp_min(amax, fmt.amax_floor))
+        r = _scale_quotient(fmt, torch.clamp_min(amax, floor))
     e = nx.ceil_log2_exponent(r)
     if fmt.exponent_clamp is not None:
         e = e.clamp(*fmt.exponent_clamp)
+    if num.inf_scale in (InfScale.OVERFLOW, InfScale.WRAPPED):
+        e = torch.where(torch.isinf(amax), torch.full_like(e, 128), e)
     return e
 
 
 def scale_multiplier(e: torch.Tensor) -> torch.Tensor:
     """2^-e used to scale values into the element range. e is clamped to [-126, 126] first
-    (a difference only for blocks holding Inf), so the multiplier is a normal float32."""
-    return nx.pow2_f32(-e.clamp(-126, 126))
+    (a difference only for blocks holding Inf), so the multiplier is a normal float32; e = 128
+    (InfScale.OVERFLOW / WRAPPED) gives 0: every element of the block times 0."""
+    m = nx.pow2_f32(-e.clamp(-126, 126))
+    return torch.where(e == 128, torch.zeros_like(m), m)
 
 
-def ue8m0_byte(e: torch.Tensor) -> torch.Tensor:
-    return (e + 127).clamp(0, 255).to(torch.uint8)
+def ue8m0_byte(e: torch.Tensor, inf_scale: InfScale | None = None) -> torch.Tensor:
+    """e + 127 as a byte; e = 128 is 255, or 126 with InfScale.WRAPPED (int32(+Inf) + 127, wrapped)."""
+    b = (e + 127).clamp(0, 255)
+    if inf_scale is InfScale.WRAPPED:
+        b = torch.where(e == 128, torch.full_like(b, 126), b)
+    return b.to(torch.uint8)
 
 
-def _quantize_blocks(fmt: CacheFormat, x: torch.Tensor, scale_floor: ScaleFloor | None = None):
+def _quantize_blocks(fmt: CacheFormat, x: torch.Tensor, num: Numerics | None = None):
     """x [M, n] float32 -> (element values scaled to the element range [M, n], exponents [M, nb])."""
     m, n = x.shape
     blocks = x.reshape(m, n // fmt.quant_block, fmt.quant_block)
-    e = block_exponent(fmt, nx.nan_ignoring_amax(blocks, dim=-1), scale_floor)
+    e = block_exponent(fmt, nx.nan_ignoring_amax(blocks, dim=-1), num)
     y = blocks * scale_multiplier(e).unsqueeze(-1)
     return y.reshape(m, n), e
+
+
+def e4m3_bytes(y: torch.Tensor, nan: E4m3Nan | None = None) -> torch.Tensor:
+    """E4M3 bytes of values in element units; a NaN element is the byte the E4m3Nan choice names."""
+    b = nx.e4m3_bytes(y)
+    if nan not in (None, E4m3Nan.NAN):
+        b = torch.where(torch.isnan(y), torch.full_like(b, int(nan.value, 16)), b)
+    return b
 
 
 def e4m3_group_scales(fmt: CacheFormat, amax: torch.Tensor) -> torch.Tensor:
@@ -87,7 +119,8 @@ def _quantize_e4m3_groups(fmt: CacheFormat, x: torch.Tensor):
 
 
 def e2m1_codes(y: torch.Tensor, fp4_zero: Fp4Zero | None) -> torch.Tensor:
-    """E2M1 codes of values in element units, with the sign of zero results by the choice."""
+    """E2M1 codes of values in element units, with the sign of zero results by the choice (EXACT is
+    applied to the values before they are scaled: encode_tokens)."""
     codes = nx.e2m1_codes(y)
     if fp4_zero is Fp4Zero.POSITIVE:
         codes = torch.where(codes == 0x8, torch.zeros_like(codes), codes)
@@ -118,6 +151,8 @@ def encode_tokens(
     m, d = x.shape
     nq, tail = fmt.dims(d)
     xq = x[:, :nq]
+    if num.fp4_zero is Fp4Zero.EXACT:
+        xq = xq + 0.0  # an exact -0.0 is quantized as +0.0 (-0.0 + 0.0 = +0.0; nothing else changes)
     parts = []
     scale = x.new_empty((m, 0), dtype=torch.uint8)
     if fmt.element is ElementCode.BF16:
@@ -126,18 +161,18 @@ def encode_tokens(
         if kv_scale is None:
             raise ValueError(f"format {fmt.name} needs kv_scale (a float32 scale tensor)")
         y = xq / kv_scale.to(torch.float32).reshape(())
-        parts.append(nx.e4m3_bytes(y))
+        parts.append(e4m3_bytes(y, num.e4m3_nan))
     elif fmt.scale is ScaleCode.E4M3:
         y, scale = _quantize_e4m3_groups(fmt, xq)
         parts.append(pack_e2m1(e2m1_codes(y, num.fp4_zero)))
     else:
-        y, e = _quantize_blocks(fmt, xq, num.scale_floor)
+        y, e = _quantize_blocks(fmt, xq, num)
         if fmt.element is ElementCode.E4M3:
-            parts.append(nx.e4m3_bytes(y))
+            parts.append(e4m3_bytes(y, num.e4m3_nan))
         else:
             parts.append(pack_e2m1(e2m1_codes(y, num.fp4_zero)))
         if fmt.scale is ScaleCode.UE8M0:
-            scale = ue8m0_byte(e)
+            scale = ue8m0_byte(e, num.inf_scale)
         else:  # F32_POW2
             scale = nx.pow2_f32_bytes(e).reshape(m, 4 * e.shape[1])
     if fmt.scale_pad_bytes:
@@ -220,7 +255,8 @@ def write_records(
     write the first valid row's bytes to that row's location (a duplicate write of identical
     values), or, when no row is valid, the cache's own bytes back to block 0. Scatters with
     duplicate indices of identical values are deterministic, and no atomic is needed (torch.compile
-    has none for uint8). Two valid rows with the same slot are undefined, as in the kernel."""
+    has none for uint8). Two valid rows with the same slot are undefined, as in the kernel. A `scale`
+    narrower than the scale record writes its first bytes only (ScalePad.SKIP leaves the pad alone)."""
     if slots.shape[0] == 0:
         return
     valid = slots >= 0
@@ -233,7 +269,7 @@ def write_records(
         torch.where(any_valid, slots64.index_select(0, donor).clamp_min(0), torch.zeros_like(slots64)),
     )
     block, dcols, scols = record_byte_index(fmt, head_dim, block_size, target)
-    for cols, new in ((dcols, data), (scols, scale)):
+    for cols, new in ((dcols, data), (scols[:, : scale.shape[1]], scale)):
         if cols.shape[1] == 0:
             continue
         rows = block.unsqueeze(1).expand_as(cols)

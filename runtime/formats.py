@@ -11,6 +11,24 @@ import enum
 from dataclasses import dataclass
 
 from .errors import UnsupportedError
+from .parity import (  # noqa: F401  (the parity choices are part of this module's API)
+    CHOICE_TYPES,
+    NUMERICS_FLAGS,
+    NUMERICS_HELP,
+    AmaxFloor,
+    E4m3Nan,
+    Fp4Zero,
+    InfScale,
+    NopeRotation,
+    Numerics,
+    NumericsError,
+    NumericsFlag,
+    RopeOrder,
+    RotatedRow,
+    ScaleFloor,
+    ScalePad,
+)
+from .presets import PRESETS, preset_entry
 
 
 class ElementCode(enum.Enum):
@@ -29,109 +47,6 @@ class ScaleCode(enum.Enum):
     E4M3 = "e4m3"  # one float8_e4m3fn byte per group, value float(e4m3) (NVFP4; no global scale)
     F32_POW2 = "f32_pow2"  # one float32 per block holding 2^e
     TENSOR_F32 = "tensor_f32"  # no per-token scale: one float32 scale tensor argument
-
-
-# ---- numerics: each ecosystem's rounding conventions as named choices ---------------------------
-class ScaleFloor(enum.Enum):
-    """Where the 1e-4 floor of a UE8M0 exponent applies. The two agree when amax >= 448e-4."""
-
-    AMAX = "amax"  # e = ceil(log2(max(amax, 1e-4) / 448)): vLLM's writers; a zero block gets byte 105
-    SCALE = "scale"  # e = ceil(log2(max(amax / 448, 1e-4))): FlashMLA tests/quant.py, SGLang; byte >= 114
-
-
-class Fp4Zero(enum.Enum):
-    """The sign of an E2M1 code whose value rounds to zero."""
-
-    POSITIVE = "positive"  # always code 0x0 (SGLang's V4.1 writer as the spec describes it)
-    SIGNED = (
-        "signed"  # the sign of the input: 0x8 for a negative value (FlashMLA's reference, the hardware cvt)
-    )
-
-
-class RotatedRow(enum.Enum):
-    """Which values of the RoPE'd KV row the cache quantizes."""
-
-    IO_ROUNDED = "io_rounded"  # the row rounded to the I/O dtype first (the CUDA writers)
-    FP32 = "fp32"  # the float32 row as RoPE left it (vLLM's Triton compressed writer)
-
-
-@dataclass(frozen=True)
-class Numerics:
-    """Parity choices of the KV path. A field left None means "the format's default"; a format whose
-    default for a field is None has no such choice (see `CacheFormat.resolve_numerics`)."""
-
-    scale_floor: ScaleFloor | None = None
-    fp4_zero: Fp4Zero | None = None
-    rotated_row: RotatedRow | None = None
-
-    def text(self) -> str:
-        """The spelling `parse` reads ("" when every field is left to the format)."""
-        return ", ".join(
-            f"{k}={getattr(self, k).value}" for k in self.__dataclass_fields__ if getattr(self, k)
-        )
-
-    def __str__(self) -> str:
-        return self.text() or "format defaults"
-
-    @classmethod
-    def parse(cls, text: str) -> Numerics:
-        """The inverse of str(): "scale_floor=scale, fp4_zero=signed" (empty: the format defaults).
-        The torch ops take the choices in this spelling (a schema has no dataclass type)."""
-        fields = {field: type(value) for field, (value, _) in NUMERICS_FLAGS.items()}  # field -> its enum
-        out = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, _, value = part.partition("=")
-            kind = fields.get(key.strip())
-            values = [v.value for v in kind] if kind else []
-            if kind is None or value.strip() not in values:
-                choices = "; ".join(f"{k}={'|'.join(v.value for v in e)}" for k, e in fields.items())
-                raise NumericsError(f"numerics {part!r} is not a parity choice; choices: {choices}")
-            out[key.strip()] = kind(value.strip())
-        return cls(**out)
-
-    @classmethod
-    def of(cls, value: Numerics | str | None) -> Numerics | None:
-        """A Numerics, its string spelling, or None (the format defaults)."""
-        if value is None or isinstance(value, Numerics):
-            return value
-        if isinstance(value, str):
-            return cls.parse(value)
-        raise NumericsError(
-            f"numerics must be a formats.Numerics, its string form or None, got {type(value).__name__}"
-        )
-
-
-class NumericsFlag(enum.IntFlag):
-    """The parity choices as the kernels read them: one run-time int32 argument, `numerics`. A set
-    bit selects the non-vLLM rule; which bits a format honours follows from its `Numerics` fields.
-    Run-time, not a variant axis: each costs a few instructions on data already in registers, while
-    a compile-time axis would multiply the modules (and the build) by up to 8."""
-
-    SCALE_FLOOR = 1  # ScaleFloor.SCALE
-    FP4_POSITIVE_ZERO = 2  # Fp4Zero.POSITIVE
-    FP32_ROTATED_ROW = 4  # RotatedRow.FP32
-
-
-# the bit of each Numerics field, set when the field holds this value
-NUMERICS_FLAGS = {
-    "scale_floor": (ScaleFloor.SCALE, NumericsFlag.SCALE_FLOOR),
-    "fp4_zero": (Fp4Zero.POSITIVE, NumericsFlag.FP4_POSITIVE_ZERO),
-    "rotated_row": (RotatedRow.FP32, NumericsFlag.FP32_ROTATED_ROW),
-}
-
-
-class NumericsError(UnsupportedError, ValueError):
-    """A parity choice that is not spelled right or that the cache format does not have."""
-
-
-NUMERICS_HELP = {
-    ScaleFloor.AMAX: "floor amax at 1e-4, then e = ceil(log2(amax / 448)) (vLLM)",
-    ScaleFloor.SCALE: "e = ceil(log2(max(amax / 448, 1e-4))) (FlashMLA tests/quant.py, SGLang, FlashInfer)",
-    Fp4Zero.POSITIVE: "a value that rounds to zero is stored as +0 (code 0x0)",
-    Fp4Zero.SIGNED: "a negative value that rounds to zero keeps its sign (code 0x8)",
-    RotatedRow.IO_ROUNDED: "quantize the RoPE'd row after rounding it to the I/O dtype",
-    RotatedRow.FP32: "quantize the float32 RoPE'd row (vLLM's Triton compressed writer)",
-}
 
 
 @dataclass(frozen=True)
@@ -160,6 +75,9 @@ class CacheFormat:
     # compress_ratio r of the KV-only writers: row t is inserted only when (positions[t] + 1) % r == 0,
     # its RoPE at positions[t] // r * r. The ratios engines use (V4.1: 1, 2; V4: 4, 128).
     compress_ratios: tuple[int, ...] = (1, 2, 4, 128)
+    # values of the format's parity choices that it does not have (e.g. fp8_token's float32 scale has
+    # no wrapped UE8M0 byte)
+    numerics_excluded: tuple[enum.Enum, ...] = ()
 
     # ---- per-token byte layout ------------------------------------------------------------
     def dims(self, head_dim: int) -> tuple[int, int]:
@@ -178,39 +96,44 @@ class CacheFormat:
             return q // 2 + 2 * tail
         return 2 * q + 2 * tail
 
-    def resolve_numerics(self, numerics: Numerics | None) -> Numerics:
-        """The choices in effect: the format's default for every field left None. A ValueError for a
-        choice the format does not have (e.g. a UE8M0 floor on an NVFP4 format) is a NumericsError
-        naming the choices it has."""
+    def resolve_numerics(self, numerics: Numerics | str | None) -> Numerics:
+        """The choices in effect, every field set: the format's defaults, then the preset's fields for
+        this format (presets.PRESETS), then the fields given. A preset without an entry for this format,
+        or a field or value the format does not have (e.g. a UE8M0 floor on an NVFP4 format), is a
+        NumericsError naming what it has."""
         numerics = Numerics.of(numerics)
         if numerics is None:
             return self.numerics
-        out = {}
-        for field in Numerics.__dataclass_fields__:
-            want, default = getattr(numerics, field), getattr(self.numerics, field)
-            if want is not None and default is None:
-                has = "; ".join(
-                    f"{k}={'|'.join(v.value for v in vs)}" for k, vs in self.numerics_choices().items()
-                )
-                raise NumericsError(
-                    f"cache format {self.name} has no {field} choice (asked for {want.value}); it has: {has}"
-                )
-            out[field] = default if want is None else want
+        out = {k: getattr(self.numerics, k) for k in CHOICE_TYPES}
+        layers = [numerics.given()]
+        if numerics.preset is not None:
+            layers.insert(0, preset_entry(numerics.preset, self.name).numerics.given())
+        choices = self.numerics_choices()
+        for layer in layers:
+            for field, value in layer.items():
+                if value not in choices.get(field, ()):
+                    has = "; ".join(f"{k}={'|'.join(v.value for v in vs)}" for k, vs in choices.items())
+                    what = f"no {field} choice" if field not in choices else f"no {field}={value.value}"
+                    raise NumericsError(f"cache format {self.name} has {what}; it has: {has}")
+                out[field] = value
         return Numerics(**out)
 
     def numerics_flags(self, numerics: Numerics | str | None = None) -> int:
         """The kernels' `numerics` argument for these choices (NumericsFlag bits)."""
         n = self.resolve_numerics(numerics)
-        return sum(int(flag) for field, (value, flag) in NUMERICS_FLAGS.items() if getattr(n, field) is value)
+        return sum(int(NUMERICS_FLAGS[field].get(value, 0)) for field, value in n.given().items())
 
     def numerics_choices(self) -> dict[str, list[enum.Enum]]:
         """Per field the format has, its values, default first."""
         out = {}
-        for field in Numerics.__dataclass_fields__:
-            default = getattr(self.numerics, field)
-            if default is not None:
-                out[field] = [default] + [v for v in type(default) if v is not default]
+        for field, value in self.numerics.given().items():
+            rest = [v for v in type(value) if v is not value and v not in self.numerics_excluded]
+            out[field] = [value, *rest]
         return out
+
+    def presets(self) -> list[str]:
+        """The engine presets (presets.PRESETS) with an entry for this format."""
+        return [name for name, p in PRESETS.items() if self.name in p.formats]
 
     def num_scales(self, head_dim: int) -> int:
         if self.scale in (ScaleCode.NONE, ScaleCode.TENSOR_F32):
@@ -250,7 +173,19 @@ class CacheFormat:
         return self.scale is ScaleCode.TENSOR_F32
 
 
-E4_BLOCK_NAN = "amax ignores NaN; NaN -> 0x7F; a block holding +-Inf gets byte 254, stores Inf as +-448 and its finite values as +-0"
+# default parity choices, by what a format has: every format has the RoPE ones; the E4M3 block formats
+# the NaN / Inf ones; the UE8M0 E4M3 formats the floor; FP4 the zero sign; a scale pad its pad
+ROPE_DEFAULTS = dict(
+    rotated_row=RotatedRow.IO_ROUNDED, nope_rotation=NopeRotation.NONE, rope_order=RopeOrder.EVEN_SIN
+)
+E4M3_BLOCK_DEFAULTS = dict(ROPE_DEFAULTS, e4m3_nan=E4m3Nan.NAN, inf_scale=InfScale.SATURATE)
+UE8M0_FLOOR_DEFAULTS = dict(E4M3_BLOCK_DEFAULTS, scale_floor=ScaleFloor.AMAX, amax_floor=AmaxFloor.E4)
+FP4_DEFAULTS = dict(ROPE_DEFAULTS, fp4_zero=Fp4Zero.SIGNED)
+
+E4_BLOCK_NAN = (
+    "amax ignores NaN; by default NaN -> 0x7F (e4m3_nan) and a block holding +-Inf gets byte 254 (inf_scale), "
+    "stores Inf as +-448 and its finite values as +-0"
+)
 
 FORMATS: dict[str, CacheFormat] = {
     f.name: f
@@ -270,7 +205,7 @@ FORMATS: dict[str, CacheFormat] = {
             divide_by_fp_max=True,
             summary="DeepSeek-V4 sliding-window/compressed cache: 448 e4m3 NoPE + 64 bf16 rope, 7 UE8M0 + 1 pad",
             nan_policy=E4_BLOCK_NAN + "; the bf16 tail keeps NaN and Inf (NaN payload not pinned)",
-            numerics=Numerics(ScaleFloor.AMAX, None, RotatedRow.IO_ROUNDED),
+            numerics=Numerics(**UE8M0_FLOOR_DEFAULTS, scale_pad=ScalePad.ZERO),
         ),
         CacheFormat(
             name="mxfp8",
@@ -287,7 +222,7 @@ FORMATS: dict[str, CacheFormat] = {
             divide_by_fp_max=True,
             summary="DeepSeek-V4.1 sliding-window cache: 512 e4m3 (rope quantized too), 16 UE8M0",
             nan_policy=E4_BLOCK_NAN,
-            numerics=Numerics(ScaleFloor.AMAX, None, RotatedRow.IO_ROUNDED),
+            numerics=Numerics(**UE8M0_FLOOR_DEFAULTS),
         ),
         CacheFormat(
             name="fp8_token",
@@ -303,8 +238,10 @@ FORMATS: dict[str, CacheFormat] = {
             exponent_clamp=None,
             divide_by_fp_max=False,
             summary="DeepSeek-V4 indexer keys: 128 e4m3, one float32 scale 2^e per token",
-            nan_policy="amax ignores NaN; NaN -> 0x7F; a token holding +-Inf gets scale 2^127 and stores Inf as +-448",
-            numerics=Numerics(None, None, RotatedRow.IO_ROUNDED),
+            nan_policy="amax ignores NaN; by default NaN -> 0x7F and a token holding +-Inf gets scale 2^127, "
+            "stores Inf as +-448",
+            numerics=Numerics(**E4M3_BLOCK_DEFAULTS),
+            numerics_excluded=(InfScale.WRAPPED,),  # a float32 scale has no wrapped UE8M0 byte
         ),
         CacheFormat(
             name="mxfp4",
@@ -321,7 +258,7 @@ FORMATS: dict[str, CacheFormat] = {
             divide_by_fp_max=True,
             summary="DeepSeek-V4 indexer keys, FP4: 64 bytes packed e2m1, 4 UE8M0",
             nan_policy="amax ignores NaN; NaN (either sign) -> code 0x7 (+6); a block holding +-Inf gets byte 254 and stores Inf as +-6",
-            numerics=Numerics(None, Fp4Zero.SIGNED, RotatedRow.IO_ROUNDED),
+            numerics=Numerics(**FP4_DEFAULTS),
         ),
         CacheFormat(
             name="bf16",
@@ -338,7 +275,7 @@ FORMATS: dict[str, CacheFormat] = {
             divide_by_fp_max=True,
             summary="unquantized full cache: D bf16 per token",
             nan_policy="NaN and Inf are stored as bf16 NaN and Inf (NaN payload not pinned)",
-            numerics=Numerics(None, None, RotatedRow.IO_ROUNDED),
+            numerics=Numerics(**ROPE_DEFAULTS),
         ),
         CacheFormat(
             name="fp8_tensor",
@@ -355,7 +292,7 @@ FORMATS: dict[str, CacheFormat] = {
             divide_by_fp_max=True,
             summary="per-tensor-scale FP8 full cache: e4m3(clamp(x / scale)) per value",
             nan_policy="NaN -> 0x7F; +-Inf saturates to +-448",
-            numerics=Numerics(None, None, RotatedRow.IO_ROUNDED),
+            numerics=Numerics(**ROPE_DEFAULTS),
         ),
         CacheFormat(
             # DeepSeek-V4.1 compressed cache (vLLM's `nvfp4_ds_mla`). Per 16-wide group of the whole
@@ -375,7 +312,7 @@ FORMATS: dict[str, CacheFormat] = {
             divide_by_fp_max=False,
             summary="DeepSeek-V4.1 compressed cache: 512 e2m1 (rope quantized too), 32 E4M3 group scales",
             nan_policy="amax ignores NaN; NaN -> code 0x7 (+6); a group holding +-Inf gets scale 448 (0x7E) and stores Inf as +-6",
-            numerics=Numerics(None, Fp4Zero.POSITIVE, RotatedRow.IO_ROUNDED),
+            numerics=Numerics(**FP4_DEFAULTS),
             scale_clamp=(2.0**-9, 448.0),
             divide_by_scale=True,
         ),
@@ -400,7 +337,7 @@ FORMATS: dict[str, CacheFormat] = {
             summary="DeepSeek-V4 NVFP4 (FlashInfer SM120): 448 e2m1 NoPE + 64 bf16 rope, 28 E4M3 scales + 4 zero",
             nan_policy="amax ignores NaN; NaN -> code 0x7 (+6); a group holding +-Inf gets scale 448 (0x7E) and stores Inf as +-6; the bf16 tail keeps NaN and Inf",
             # SIGNED: the hardware cvt.rn.satfinite.e2m1x2.f32 that FlashInfer's writer uses keeps the sign
-            numerics=Numerics(None, Fp4Zero.SIGNED, RotatedRow.IO_ROUNDED),
+            numerics=Numerics(**FP4_DEFAULTS, scale_pad=ScalePad.ZERO),
             scale_clamp=None,
             divide_by_scale=False,
             compress_ratios=(1, 2),  # what FlashInfer's SM120 writer takes for this record
@@ -474,4 +411,24 @@ def numerics_rows() -> list[dict]:
                 "NaN / Inf": f.nan_policy,
             }
         )
+    return rows
+
+
+def preset_rows() -> list[dict]:
+    """The engine presets per format (format x preset -> fields), used by `list --why` and
+    docs/formats.md: the fields each preset sets, the writer it follows and the row classes it cannot
+    match (presets.ROW_CLASSES)."""
+    rows = []
+    for f in FORMATS.values():
+        for name in f.presets():
+            entry = PRESETS[name].formats[f.name]
+            rows.append(
+                {
+                    "format": f.name,
+                    "preset": name,
+                    "fields": entry.numerics.text() or "format defaults",
+                    "row classes not matched": ", ".join(entry.unmatched) or "none",
+                    "source": entry.source,
+                }
+            )
     return rows

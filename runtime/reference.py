@@ -5,8 +5,8 @@ under torch.compile(fullgraph=True). Two operation orders:
 
 * ``order="kernel"`` (default) follows this project's kernels operation by operation: the sum of
   squares is a fused multiply-add chain per lane followed by a butterfly over the lanes of a row,
-  RoPE uses `fma` (even' = fma(e, c, -(o*s)), odd' = fma(e, s, o*c)), 1/sqrt is IEEE sqrt then IEEE
-  division. Kernel outputs then match bit for bit, q_out and the bf16 rope tail included.
+  RoPE uses `fma` (even' = fma(e, c, -(o*s)), odd' = fma(e, s, o*c), or fma(o, c, e*s) with
+  RopeOrder.ODD_COS on the KV path), 1/sqrt is IEEE sqrt then IEEE division. Kernel outputs then match bit for bit, q_out and the bf16 rope tail included.
 * ``order="eager"`` is the plain textbook formula (torch.sum, rsqrt, separate multiply and add);
   it agrees with the kernel order within one bf16 ulp on stored values.
 """
@@ -17,7 +17,7 @@ import torch
 
 from . import codecs
 from . import numerics as nx
-from .formats import CacheFormat, Numerics, RotatedRow, get_format
+from .formats import CacheFormat, NopeRotation, Numerics, RopeOrder, RotatedRow, ScalePad, get_format
 from .variants import QLayout
 
 VEC = 8  # elements per 128-bit access of a 16-bit dtype: the kernels' lane mapping unit
@@ -64,10 +64,19 @@ def rms_inverse(x: torch.Tensor, eps: float, order: str = "kernel") -> torch.Ten
 
 
 def rope_tail(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, order: str = "kernel"
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rope_dim: int,
+    order: str = "kernel",
+    *,
+    rope_order: RopeOrder | None = None,
+    nope_rotation: NopeRotation | None = None,
 ) -> torch.Tensor:
     """GPT-J (interleaved pairs) RoPE on dims [D-R, D) of x [..., D]; cos/sin broadcast to
-    [..., R/2]."""
+    [..., R/2]. RopeOrder.ODD_COS: odd' = fma(o, c, e*s) in the kernel order. NopeRotation.IDENTITY:
+    the pairs of [0, D-R) go through the rotation with c = 1, s = 0, i.e. (e - o*0, o + e*0) in either
+    order (adding a zero is exact, so only signed zeros, NaN and Inf are touched)."""
     d = x.shape[-1]
     head, tail = x[..., : d - rope_dim], x[..., d - rope_dim :]
     even, odd = tail[..., 0::2], tail[..., 1::2]
@@ -76,8 +85,14 @@ def rope_tail(
         new_odd = even * sin + odd * cos
     else:
         new_even = nx.fma_f32(even, cos, -(odd * sin))
-        new_odd = nx.fma_f32(even, sin, odd * cos)
+        if rope_order is RopeOrder.ODD_COS:
+            new_odd = nx.fma_f32(odd, cos, even * sin)
+        else:
+            new_odd = nx.fma_f32(even, sin, odd * cos)
     rotated = torch.stack((new_even, new_odd), dim=-1).reshape(tail.shape)
+    if nope_rotation is NopeRotation.IDENTITY:
+        he, ho = head[..., 0::2], head[..., 1::2]
+        head = torch.stack((he - ho * 0.0, ho + he * 0.0), dim=-1).reshape(head.shape)
     return torch.cat((head, rotated), dim=-1)
 
 
@@ -155,18 +170,23 @@ def kv_values(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     order: str = "kernel",
-    rotated_row: RotatedRow = RotatedRow.IO_ROUNDED,
+    numerics: Numerics | None = None,
 ) -> torch.Tensor:
     """The values a cache quantizes for kv rows [M, D]: (optional weighted RMSNorm, rounded through
-    the I/O dtype), RoPE, rounded through the I/O dtype unless `rotated_row` is FP32. float32 [M, D]."""
+    the I/O dtype), RoPE, rounded through the I/O dtype unless `numerics.rotated_row` is FP32.
+    `numerics` (its RoPE fields: rope_order, nope_rotation, rotated_row; None: the defaults) is the
+    resolved choice set, e.g. `fmt.resolve_numerics(...)`. float32 [M, D]."""
     _check_order(order)
     rope_dim = cos_sin_cache.shape[1]
     x = kv.to(torch.float32)
     if norm_weight is not None:
         x = nx.round_through((x * rms_inverse(x, eps, order)) * norm_weight.to(torch.float32), kv.dtype)
     cos, sin = _cos_sin(cos_sin_cache, positions, rope_dim)
-    rotated = rope_tail(x, cos, sin, rope_dim, order)
-    if rotated_row is RotatedRow.FP32:
+    num = numerics or Numerics()
+    rotated = rope_tail(
+        x, cos, sin, rope_dim, order, rope_order=num.rope_order, nope_rotation=num.nope_rotation
+    )
+    if num.rotated_row is RotatedRow.FP32:
         return rotated
     return nx.round_through(rotated, kv.dtype)
 
@@ -180,7 +200,10 @@ def insert_kv(
     kv_scale: torch.Tensor | None = None,
     numerics: Numerics | None = None,
 ) -> None:
-    data, scale = codecs.encode_tokens(fmt, values, kv_scale, numerics)
+    num = fmt.resolve_numerics(numerics)
+    data, scale = codecs.encode_tokens(fmt, values, kv_scale, num)
+    if num.scale_pad is ScalePad.SKIP:  # the pad bytes keep what the cache held
+        scale = scale[:, : fmt.num_scales(values.shape[1])]
     codecs.write_records(k_cache, fmt, values.shape[1], block_size, slot_mapping, data, scale)
 
 
@@ -238,7 +261,7 @@ def qnorm_rope_kv_insert(
         order=order,
     )
     q = torch.where(pos_ok[:n].view(n, 1, 1), q, torch.zeros_like(q))
-    vals = kv_values(kv[:m], positions[:m], cos_sin_cache, order=order, rotated_row=num.rotated_row)
+    vals = kv_values(kv[:m], positions[:m], cos_sin_cache, order=order, numerics=num)
     store_q(q_out, q, q_scale=q_scale, write_pad_heads=write_pad_heads, q_layout=q_layout)
     insert_kv(k_cache, fmt, vals, slots, block_size, kv_scale, num)
 
@@ -277,6 +300,6 @@ def kv_rope_insert(
         norm_weight=norm_weight,
         eps=eps,
         order=order,
-        rotated_row=num.rotated_row,
+        numerics=num,
     )
     insert_kv(k_cache, fmt, vals, slots, block_size, kv_scale, num)

@@ -171,11 +171,33 @@ def test_parity_choices_reach_the_cpu_path_in_either_spelling_and_a_missing_one_
     d = inputs(fmt="nvfp4_v41", seed=9)
     before = d["k_cache"].clone()
     with pytest.raises(
-        NumericsError, match="nvfp4_v41 has no scale_floor choice.*fp4_zero=positive\\|signed"
+        NumericsError, match="nvfp4_v41 has no scale_floor choice.*fp4_zero=signed\\|positive\\|exact"
     ):
         kv_rope_insert(d["kv"], d["k_cache"], d["slot_mapping"], d["positions"], d["cos_sin_cache"], 16,
                        "nvfp4_v41", numerics="scale_floor=scale")  # fmt: skip
     with pytest.raises(NumericsError, match="not a parity choice"):
         kv_rope_insert(d["kv"], d["k_cache"], d["slot_mapping"], d["positions"], d["cos_sin_cache"], 16,
                        "nvfp4_v41", numerics="fp4_zero=negative")  # fmt: skip
+    with pytest.raises(NumericsError, match="preset vllm has no cache format nvfp4_v41.*vllm-triton, sglang"):
+        kv_rope_insert(d["kv"], d["k_cache"], d["slot_mapping"], d["positions"], d["cos_sin_cache"], 16,
+                       "nvfp4_v41", numerics="preset=vllm")  # fmt: skip
+    for bad in ([1], "fp4_zero=zero", "fp4_zero=positive, fp4_zero=signed"):  # issue 28 item 14
+        with pytest.raises(NumericsError):
+            kv_rope_insert(d["kv"], d["k_cache"], d["slot_mapping"], d["positions"], d["cos_sin_cache"], 16,
+                           "nvfp4_v41", numerics=bad)  # fmt: skip
     assert torch.equal(d["k_cache"], before)
+
+
+def test_a_field_given_as_its_value_string_is_that_field_everywhere():
+    """Numerics(scale_floor="scale") is Numerics(scale_floor=ScaleFloor.SCALE): the same kernel bits
+    and the same bytes on the CPU path (it used to be dropped on the CUDA paths, issue 28 item 14)."""
+    from attn_prologue.formats import Numerics, NumericsFlag, ScaleFloor
+
+    assert Numerics(scale_floor="scale") == Numerics(scale_floor=ScaleFloor.SCALE)
+    assert get_format("mxfp8").numerics_flags(Numerics(scale_floor="scale")) == NumericsFlag.SCALE_FLOOR
+    a, b = inputs(fmt="mxfp8", seed=3), inputs(fmt="mxfp8", seed=3)
+    for x in (a, b):
+        x["kv"][:3] *= 1e-4
+    qkv(a, "mxfp8", numerics=Numerics(scale_floor="scale"))
+    qkv(b, "mxfp8", numerics=Numerics(scale_floor=ScaleFloor.SCALE))
+    assert torch.equal(a["k_cache"], b["k_cache"])

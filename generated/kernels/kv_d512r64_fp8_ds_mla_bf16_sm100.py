@@ -27,7 +27,15 @@ SPECULATIVE_ROWS = 512  # compressed writers: calls up to this many rows load ev
 
 # ---- parity choices: bits of the run-time `numerics` argument (attn_prologue.formats.NumericsFlag) --
 SCALE_FLOOR = 1
+AMAX_FLOOR_1E8 = 512
 FP32_ROTATED_ROW = 4
+NOPE_ROTATION = 8
+ROPE_ODD_COS = 16
+E4M3_NAN_POS_MAX = 32
+E4M3_NAN_NEG_MAX = 64
+INF_SCALE_OVERFLOW = 128
+INF_SCALE_WRAPPED = 256
+SCALE_PAD_SKIP = 1024
 
 # ---- cache format fp8_ds_mla (attn_prologue.formats) ------------------------------------
 DATA_BYTES = 576  # data record per token
@@ -180,13 +188,23 @@ class Kernel:
         return tables
 
     @cute.jit
-    def rotate_tail(self, ys, tables, ok, sub: Int32):
-        """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set."""
+    def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos=False):
+        """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set (`odd_cos`:
+        RopeOrder.ODD_COS, a run-time Boolean on the KV path)."""
         for s in range_constexpr(SLOTS):
             if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
                 j = s * LANES_PER_ROW + sub
                 if ok & (j >= TAIL_VECTOR):
-                    kl.rope_rotate(ys[s], tables[s][0], tables[s][1])
+                    kl.rope_rotate(ys[s], tables[s][0], tables[s][1], odd_cos)
+
+    @cute.jit
+    def rotate_nope(self, ys, sub: Int32):
+        """NopeRotation.IDENTITY: this lane's vectors in [0, D - R) through the rotation with cos = 1,
+        sin = 0 (vLLM's V4.1 Triton writers): only signed zeros, NaN and Inf change."""
+        for s in range_constexpr(SLOTS):
+            if const_expr(s * LANES_PER_ROW < TAIL_VECTOR):
+                if s * LANES_PER_ROW + sub < TAIL_VECTOR:
+                    kl.rope_identity(ys[s])
 
     @cute.jit
     def kv_pass(self, p: Int32, lane: Int32, args: Arguments):
@@ -232,7 +250,9 @@ class Kernel:
                 ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
                 for s in range_constexpr(SLOTS):
                     ys[s].store(frags[s].load().to(Float32))
-                self.rotate_tail(ys, tables, ok, sub)
+                self.rotate_tail(ys, tables, ok, sub, (args.numerics & ROPE_ODD_COS) != 0)
+                if (args.numerics & NOPE_ROTATION) != 0:
+                    self.rotate_nope(ys, sub)
                 if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
                     for s in range_constexpr(SLOTS):
                         ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
@@ -245,16 +265,27 @@ class Kernel:
                 data = page + o * DATA_BYTES
                 scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
                 # amax = max|x| per block; e = ceil(log2(max(amax, floor) / ELEMENT_MAX)) (SCALE_FLOOR: of max(amax / ELEMENT_MAX, floor)); values x * 2^-e
+                # the floor (AMAX_FLOOR or 1e-8) on amax (ScaleFloor.AMAX) or on the exponent (SCALE): ceil(log2) is
+                # monotone, so ceil(log2(max(amax / 448, floor))) = max(ceil(log2(amax / 448)), ceil(log2(floor)))
+                floor8 = (args.numerics & AMAX_FLOOR_1E8) != 0
+                on_scale = (args.numerics & SCALE_FLOOR) != 0
+                amax_floor = cutlass.select_(on_scale, Float32(0.0), cutlass.select_(floor8, Float32(1e-8), Float32(AMAX_FLOOR)))
+                byte_floor = Uint32(cutlass.select_(on_scale, cutlass.select_(floor8, Uint32(101), Uint32(114)), Uint32(0)))
                 for s in range_constexpr(SLOTS):
                     j = s * LANES_PER_ROW + sub
                     amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
-                    quot = kl.amax_quotient(kl.fmax(amax, Float32(AMAX_FLOOR)), ELEMENT_MAX, self.cfg.lean_quant)
-                    if (args.numerics & SCALE_FLOOR) != 0:
-                        quot = kl.fmax(kl.amax_quotient(amax, ELEMENT_MAX, self.cfg.lean_quant), Float32(AMAX_FLOOR))
-                    byte = ue8m0_byte(quot)
+                    quot = kl.amax_quotient(kl.fmax(amax, amax_floor), ELEMENT_MAX, self.cfg.lean_quant)
+                    byte = cutlass.max(ue8m0_byte(quot), byte_floor)
                     e = Int32(byte) - 127
                     y = xr[s] * kl.scale_multiplier(e)
                     values = kl.e4m3_vector(y)
+                    if ((args.numerics & (INF_SCALE_OVERFLOW | INF_SCALE_WRAPPED)) != 0) & (e == 127):
+                        # InfScale.OVERFLOW / WRAPPED: a block holding Inf (the only one whose e saturates at 127: a
+                        # finite amax / 448 is below 2^120) takes e = 128 and every element x * 0, rewritten on the bytes
+                        byte = Uint32(cutlass.select_((args.numerics & INF_SCALE_WRAPPED) != 0, Uint32(126), Uint32(255)))
+                        kl.e4m3_times_zero(values)
+                    if (args.numerics & (E4M3_NAN_POS_MAX | E4M3_NAN_NEG_MAX)) != 0:
+                        kl.e4m3_nan_bytes(values, (args.numerics & E4M3_NAN_NEG_MAX) != 0)
                     if ok:
                         if j < QUANT_VECTORS:
                             kl.store_vector(values, data, Int64(j * VEC), cutlass.Float8E4M3FN, 8)
@@ -263,7 +294,7 @@ class Kernel:
                         else:
                             tail = kl.register_vector(xr[s], cutlass.BFloat16)
                             kl.store_vector(tail, data, Int64(QUANT_VECTORS * 8 + (j - QUANT_VECTORS) * 16), cutlass.BFloat16, 16)
-                            if j == QUANT_VECTORS:
+                            if (j == QUANT_VECTORS) & ((args.numerics & SCALE_PAD_SKIP) == 0):
                                 kl.store_byte(scales, Int64(NUM_SCALES + 0), 0)  # pad byte
 
 

@@ -28,6 +28,11 @@ PAD_VECTORS_PER_LANE = 8  # a pad pass zeroes 32 * this many vectors of one toke
 
 # ---- parity choices: bits of the run-time `numerics` argument (attn_prologue.formats.NumericsFlag) --
 FP32_ROTATED_ROW = 4
+NOPE_ROTATION = 8
+ROPE_ODD_COS = 16
+E4M3_NAN_POS_MAX = 32
+E4M3_NAN_NEG_MAX = 64
+INF_SCALE_OVERFLOW = 128
 
 # ---- Q switches: bits of the run-time `q_flags` argument (attn_prologue.variants.QFlag) -----------
 NO_NORM = 1
@@ -201,13 +206,23 @@ class Kernel:
         return tables
 
     @cute.jit
-    def rotate_tail(self, ys, tables, ok, sub: Int32):
-        """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set."""
+    def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos=False):
+        """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set (`odd_cos`:
+        RopeOrder.ODD_COS, a run-time Boolean on the KV path)."""
         for s in range_constexpr(SLOTS):
             if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
                 j = s * LANES_PER_ROW + sub
                 if ok & (j >= TAIL_VECTOR):
-                    kl.rope_rotate(ys[s], tables[s][0], tables[s][1])
+                    kl.rope_rotate(ys[s], tables[s][0], tables[s][1], odd_cos)
+
+    @cute.jit
+    def rotate_nope(self, ys, sub: Int32):
+        """NopeRotation.IDENTITY: this lane's vectors in [0, D - R) through the rotation with cos = 1,
+        sin = 0 (vLLM's V4.1 Triton writers): only signed zeros, NaN and Inf change."""
+        for s in range_constexpr(SLOTS):
+            if const_expr(s * LANES_PER_ROW < TAIL_VECTOR):
+                if s * LANES_PER_ROW + sub < TAIL_VECTOR:
+                    kl.rope_identity(ys[s])
 
     @cute.jit
     def q_pass(self, p: Int32, lane: Int32, args: Arguments, q_heads: Int32):
@@ -306,7 +321,9 @@ class Kernel:
                 ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
                 for s in range_constexpr(SLOTS):
                     ys[s].store(frags[s].load().to(Float32))
-                self.rotate_tail(ys, tables, ok, sub)
+                self.rotate_tail(ys, tables, ok, sub, (args.numerics & ROPE_ODD_COS) != 0)
+                if (args.numerics & NOPE_ROTATION) != 0:
+                    self.rotate_nope(ys, sub)
                 if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
                     for s in range_constexpr(SLOTS):
                         ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
@@ -327,6 +344,13 @@ class Kernel:
                     e = Int32(byte) - 127
                     y = xr[s] * kl.scale_multiplier(e)
                     values = kl.e4m3_vector(y)
+                    if ((args.numerics & (INF_SCALE_OVERFLOW)) != 0) & (e == 127):
+                        # InfScale.OVERFLOW / WRAPPED: a block holding Inf (the only one whose e saturates at 127: a
+                        # finite amax / 448 is below 2^120) takes e = 128 and every element x * 0, rewritten on the bytes
+                        e = Int32(128)  # the stored scale 2^128 is float32 +Inf
+                        kl.e4m3_times_zero(values)
+                    if (args.numerics & (E4M3_NAN_POS_MAX | E4M3_NAN_NEG_MAX)) != 0:
+                        kl.e4m3_nan_bytes(values, (args.numerics & E4M3_NAN_NEG_MAX) != 0)
                     if ok:
                         kl.store_vector(values, data, Int64(j * VEC), cutlass.Float8E4M3FN, 8)
                         if sub % LANES_PER_BLOCK == 0:

@@ -28,7 +28,11 @@ PAD_VECTORS_PER_LANE = 8  # a pad pass zeroes 32 * this many vectors of one toke
 
 # ---- parity choices: bits of the run-time `numerics` argument (attn_prologue.formats.NumericsFlag) --
 FP4_POSITIVE_ZERO = 2
+FP4_EXACT_ZERO = 2048
 FP32_ROTATED_ROW = 4
+NOPE_ROTATION = 8
+ROPE_ODD_COS = 16
+SCALE_PAD_SKIP = 1024
 
 # ---- Q switches: bits of the run-time `q_flags` argument (attn_prologue.variants.QFlag) -----------
 NO_NORM = 1
@@ -222,13 +226,23 @@ class Kernel:
         return tables
 
     @cute.jit
-    def rotate_tail(self, ys, tables, ok, sub: Int32):
-        """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set."""
+    def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos=False):
+        """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set (`odd_cos`:
+        RopeOrder.ODD_COS, a run-time Boolean on the KV path)."""
         for s in range_constexpr(SLOTS):
             if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
                 j = s * LANES_PER_ROW + sub
                 if ok & (j >= TAIL_VECTOR):
-                    kl.rope_rotate(ys[s], tables[s][0], tables[s][1])
+                    kl.rope_rotate(ys[s], tables[s][0], tables[s][1], odd_cos)
+
+    @cute.jit
+    def rotate_nope(self, ys, sub: Int32):
+        """NopeRotation.IDENTITY: this lane's vectors in [0, D - R) through the rotation with cos = 1,
+        sin = 0 (vLLM's V4.1 Triton writers): only signed zeros, NaN and Inf change."""
+        for s in range_constexpr(SLOTS):
+            if const_expr(s * LANES_PER_ROW < TAIL_VECTOR):
+                if s * LANES_PER_ROW + sub < TAIL_VECTOR:
+                    kl.rope_identity(ys[s])
 
     @cute.jit
     def q_pass(self, p: Int32, lane: Int32, args: Arguments, q_heads: Int32):
@@ -327,10 +341,16 @@ class Kernel:
                 ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
                 for s in range_constexpr(SLOTS):
                     ys[s].store(frags[s].load().to(Float32))
-                self.rotate_tail(ys, tables, ok, sub)
+                self.rotate_tail(ys, tables, ok, sub, (args.numerics & ROPE_ODD_COS) != 0)
+                if (args.numerics & NOPE_ROTATION) != 0:
+                    self.rotate_nope(ys, sub)
                 if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
                     for s in range_constexpr(SLOTS):
                         ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+                if (args.numerics & FP4_EXACT_ZERO) != 0:  # Fp4Zero.EXACT: an exact -0.0 is quantized as +0.0
+                    for s in range_constexpr(SLOTS):
+                        if s * LANES_PER_ROW + sub < QUANT_VECTORS:  # (not the bf16 rope tail)
+                            kl.add_zero(ys[s])
                 xr = [ys[s].load() for s in range(SLOTS)]
                 block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
                 if slot > Int64(0x7FFFFFFF):
@@ -361,13 +381,10 @@ class Kernel:
                         else:
                             tail = kl.register_vector(xr[s], cutlass.BFloat16)
                             kl.store_vector(tail, data, Int64(QUANT_VECTORS * 4 + (j - QUANT_VECTORS) * 16), cutlass.BFloat16, 16)
-                            if j == QUANT_VECTORS:
+                            if (j == QUANT_VECTORS) & ((args.numerics & SCALE_PAD_SKIP) == 0):
                                 kl.store_byte(scales, Int64(NUM_SCALES + 0), 0)  # pad byte
-                            if j == QUANT_VECTORS:
                                 kl.store_byte(scales, Int64(NUM_SCALES + 1), 0)  # pad byte
-                            if j == QUANT_VECTORS:
                                 kl.store_byte(scales, Int64(NUM_SCALES + 2), 0)  # pad byte
-                            if j == QUANT_VECTORS:
                                 kl.store_byte(scales, Int64(NUM_SCALES + 3), 0)  # pad byte
 
 

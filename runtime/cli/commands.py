@@ -20,7 +20,7 @@ def _table(rows: list[dict]) -> str:
 
 def cmd_list(args) -> int:
     from ..codegen.variants import dropped_combinations, variant_space
-    from ..formats import FORMATS, NUMERICS_HELP, layout_rows, numerics_rows
+    from ..formats import FORMATS, NUMERICS_HELP, layout_rows, numerics_rows, preset_rows
 
     space = variant_space()
     print("Cache formats (per token; records first, scale records in a footer after all records):\n")
@@ -38,6 +38,10 @@ def cmd_list(args) -> int:
         print(_table(numerics_rows()))
         for choice, text in NUMERICS_HELP.items():
             print(f"  {type(choice).__name__}.{choice.name} ({choice.value}): {text}")
+        print(
+            '\nEngine presets (numerics="preset=NAME[, field=value ...]"; docs/formats.md cites each source):\n'
+        )
+        print(_table([{k: v for k, v in r.items() if k != "source"} for r in preset_rows()]))
         print(
             "\nOther run-time modes (arguments of every kernel, not variant axes: each is a uniform branch):\n"
             "  apply_q_norm / apply_q_rope (qkv, `q_flags` bits): skip the Q RMSNorm / the Q RoPE\n"

@@ -165,16 +165,42 @@ def abs_max(x) -> Float32:
 
 
 # ---- RoPE -------------------------------------------------------------------------------------
-def rope_rotate(frag: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor):
+def rope_rotate(frag: cute.Tensor, cos: cute.Tensor, sin: cute.Tensor, odd_cos=False):
     """GPT-J rotation of the VEC/2 interleaved pairs in `frag` (float32 registers) in place:
-    even' = fma(e, c, -(o*s)), odd' = fma(e, s, o*c)."""
+    even' = fma(e, c, -(o*s)), odd' = fma(e, s, o*c), or fma(o, c, e*s) where `odd_cos` is set
+    (RopeOrder.ODD_COS, the odd term of Triton's and TensorRT-LLM's writers). A run-time Boolean
+    selects the fma's operands (4 selects a pair): fewer registers than two copies of the rotation."""
     for i in range(VEC // 2):
         e = frag[2 * i]
         o = frag[2 * i + 1]
         c = cos[i]
         s = sin[i]
         frag[2 * i] = cute.math.fma(e, c, -(o * s))
-        frag[2 * i + 1] = cute.math.fma(e, s, o * c)
+        if isinstance(odd_cos, bool):
+            frag[2 * i + 1] = cute.math.fma(o, c, e * s) if odd_cos else cute.math.fma(e, s, o * c)
+        else:  # the same fma with its two products swapped
+            a, b = cutlass.select_(odd_cos, o, e), cutlass.select_(odd_cos, c, s)
+            p, q = cutlass.select_(odd_cos, e, o), cutlass.select_(odd_cos, s, c)
+            frag[2 * i + 1] = cute.math.fma(a, b, p * q)
+
+
+def fma_rn_zero(a: Float32, negative: bool, b: Float32) -> Float32:
+    """a * (+-0.0) + b with one IEEE rounding (fma.rn.f32): never folded away, so a signed zero,
+    a NaN or an Inf in `a` or `b` acts on the result as the rotation's arithmetic does."""
+    zero = "0f80000000" if negative else "0f00000000"
+    return cute.arch.inline_ptx(
+        f"fma.rn.f32 {{$w0}}, {{$r0}}, {zero}, {{$r1}};", write_only_types=[Float32], read_only_args=[a, b]
+    )
+
+
+def rope_identity(frag: cute.Tensor):
+    """NopeRotation.IDENTITY on the VEC/2 pairs in `frag`: the rotation with c = 1, s = 0, i.e.
+    even' = e - o*0 and odd' = o + e*0 (both FMA orders give these: adding a zero is exact)."""
+    for i in range(VEC // 2):
+        e = frag[2 * i]
+        o = frag[2 * i + 1]
+        frag[2 * i] = fma_rn_zero(o, True, e)
+        frag[2 * i + 1] = fma_rn_zero(e, False, o)
 
 
 def load_cos_sin_into(
@@ -244,6 +270,36 @@ def e2m1_positive_zeros(word: Uint32) -> Uint32:
     mag = word & Uint32(0x77777777)
     nonzero = (mag | (mag >> Uint32(1)) | (mag >> Uint32(2))) & Uint32(0x11111111)
     return mag | (word & (nonzero << Uint32(3)))
+
+
+def add_zero(frag: cute.Tensor):
+    """frag[i] + 0.0 in place (add.rn.f32, never folded away): -0.0 becomes +0.0, nothing else changes."""
+    for i in range(cute.size(frag)):
+        frag[i] = cute.arch.inline_ptx(
+            "add.rn.f32 {$w0}, {$r0}, 0f00000000;", write_only_types=[Float32], read_only_args=[frag[i]]
+        )
+
+
+def e4m3_times_zero(frag: cute.Tensor):
+    """8 e4m3 bytes of x * 2^-126 in a block holding Inf rewritten in place as those of x * 0: Inf and
+    NaN (here 0x7E / 0x7F: no finite x * 2^-126 reaches 448) become NaN 0x7F, every other byte +-0 with
+    its sign (InfScale.OVERFLOW / WRAPPED)."""
+    words = cute.recast_tensor(frag, Uint32)
+    for i in range(VEC // 4):
+        w = words[i]
+        big = ((w & Uint32(0x7F7F7F7F)) + Uint32(0x02020202)) & Uint32(0x80808080)  # low 7 bits >= 0x7E
+        words[i] = (big >> Uint32(7)) * Uint32(0x7F) | (w & Uint32(0x80808080) & ~big)
+
+
+def e4m3_nan_bytes(frag: cute.Tensor, negative):
+    """Replace the NaN bytes (0x7F, the only NaN cvt.rn.satfinite.e4m3x2 emits) of 8 e4m3 values in
+    place by 0x7E (+448), or 0xFE (-448) where `negative`: E4m3Nan.POS_MAX / NEG_MAX. A byte whose low
+    seven bits are all ones carries into its bit 7 when 1 is added to them: no finite e4m3 does."""
+    words = cute.recast_tensor(frag, Uint32)
+    for i in range(VEC // 4):
+        w = words[i]
+        hit = ((w & Uint32(0x7F7F7F7F)) + Uint32(0x01010101)) & Uint32(0x80808080)
+        words[i] = (w ^ (hit >> Uint32(7))) | cutlass.select_(negative, hit, Uint32(0))
 
 
 def store_byte(addr: Int64, byte_offset: Int64, value):

@@ -1,16 +1,16 @@
-"""The block-scaled records on the GPU with every parity choice: each (format, op) the variant space
-has, each combination of the format's choices (formats.Numerics), block sizes 32/64/48/256 with pages
-padded the way vLLM pads them, DP padding, negative slots, zero / tiny / huge rows, exact E2M1 ties
-and NaN/Inf values. Bit for bit against the reference on fresh random inputs with poisoned outputs
-(the whole cache storage, page padding included, and the whole q_out are compared)."""
+"""Every format on the GPU with its parity choices: each (format, op) the variant space has, run with
+the format defaults, every engine preset the format has (presets.PRESETS) and all fields at their
+last value at once; every other value of each field alone on the KV-only op. Block sizes 32/64/48/256
+with pages padded the way vLLM pads them, DP padding, negative slots, zero / tiny / huge rows, exact
+E2M1 ties, signed zeros beside negative and positive partners, NaN and Inf in the NoPE and rope dims.
+Bit for bit against the reference on fresh random inputs with poisoned outputs (the whole cache
+storage, page padding included, and the whole q_out are compared)."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from attn_prologue.formats import FORMATS, Numerics, ScaleCode, get_format
+from attn_prologue.formats import FORMATS, Numerics, get_format
 from attn_prologue.launch import LaunchConfig
 from attn_prologue.variants import ArchFamily, generated, parse_name
 
@@ -18,18 +18,20 @@ from .cases import Case, compare, describe_mismatch, make_inputs, run_kernel, ru
 
 pytestmark = pytest.mark.gpu
 
-BLOCK_SCALED = [
-    n for n, f in FORMATS.items() if f.scale in (ScaleCode.UE8M0, ScaleCode.E4M3, ScaleCode.F32_POW2)
-]
+FORMAT_NAMES = sorted(FORMATS)
 
 
-def numerics_combinations(fmt_name: str) -> list[str]:
-    """Every combination of the format's choices, in the string spelling the ops take."""
-    choices = get_format(fmt_name).numerics_choices()
-    out = []
-    for values in itertools.product(*choices.values()):
-        out.append(Numerics(**dict(zip(choices, values))).text())
-    return out
+def numerics_cases(fmt_name: str, singles: bool) -> list[str]:
+    """The string spellings the ops take: the format defaults (""), each preset the format has, every
+    field at its last value at once and (`singles`) every other value of each field alone."""
+    f = get_format(fmt_name)
+    choices = f.numerics_choices()
+    out = ["", *(f"preset={p}" for p in f.presets())]
+    out.append(Numerics(**{k: v[-1] for k, v in choices.items()}).text())
+    if singles:
+        out += [Numerics(**{k: v}).text() for k, values in choices.items() for v in values[1:-1]]
+        out += [Numerics(**{k: values[-1]}).text() for k, values in choices.items()]
+    return list(dict.fromkeys(out))
 
 
 def ops_for(fmt_name: str) -> list[tuple[str, bool]]:
@@ -44,9 +46,9 @@ def ops_for(fmt_name: str) -> list[tuple[str, bool]]:
 
 MATRIX = [
     (fmt, op, q8, num)
-    for fmt in BLOCK_SCALED
+    for fmt in FORMAT_NAMES
     for op, q8 in ops_for(fmt)
-    for num in numerics_combinations(fmt)
+    for num in numerics_cases(fmt, singles=op == "kv" and not q8)
 ]
 
 
@@ -66,13 +68,19 @@ def tie_groups(x: torch.Tensor, fmt_name: str) -> None:
 
 
 def specials(x: torch.Tensor) -> None:
-    """NaN and +-Inf in the NoPE and rope dims of a few rows; one all-NaN row."""
+    """NaN and +-Inf in the NoPE and rope dims of a few rows, one all-NaN row, signed zeros beside
+    negative and positive partners (the NoPE rotation keeps or clears them), a row below every floor
+    and one at the dtype's largest values."""
     d = x.shape[1]
     x[1, 3] = float("nan")
     x[2, 5] = float("inf")
     x[3, 7] = float("-inf")
     x[5, d - 3] = float("nan")  # a rotated dim: RoPE spreads it to its pair
     x[6, :] = float("nan")
+    x[4, :8] = torch.tensor([-0.0, -2.0, 1.0, -0.0, -0.0, 2.0, -1.0, -0.0])
+    x[4, d - 8 :] = torch.tensor([-0.0, -2.0, 1.0, -0.0, -0.0, 2.0, -1.0, -0.0])
+    x[7] *= 1e-9  # below the 1e-8 floor too
+    x[8] = torch.finfo(x.dtype).max * torch.sign(x[8])
 
 
 def check(case: Case, mutate=None, config=None):
@@ -110,6 +118,8 @@ def edge_checks(fmt, op, q8, num, config=None):
     f = get_format(fmt)
     d, r = f.head_dim, f.rope_dim
     align = 512 if fmt in ("mxfp8", "nvfp4_v41") else 576 if fmt == "fp8_ds_mla" else 16
+    if f.head_dim is None:  # the full-cache rows: any D
+        d, r = 128, 64
     base = dict(head_dim=d, rope_dim=r, cache_format=fmt, op=op, q_fp8=q8, numerics=num, h=8, p=16)
     for i, bs in enumerate((32, 64, 48, 256)):
         # DP padding (M < N) for qkv, negative slots, zero rows, vLLM-aligned page padding
@@ -138,13 +148,15 @@ def edge_checks(fmt, op, q8, num, config=None):
         mutate=lambda x: specials(x.kv),
         config=config,
     )
+    if op != "qkv":  # a NaN row and a huge row next to each other in one warp's pass
+        check(Case(n=40, block_size=64, seed=9, **base), mutate=lambda x: specials(x.kv), config=config)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4_v41", "nvfp4_dsv4"])
 def test_nvfp4_fp16_io(fmt):
     """fp16 I/O: the rotated row is rounded through fp16 (or not), the bf16 tail from it."""
     f = get_format(fmt)
-    for num in numerics_combinations(fmt):
+    for num in numerics_cases(fmt, singles=False):
         for scale in (1e-3, 1.0, 300.0):
             check(
                 Case(n=65, head_dim=f.head_dim, rope_dim=f.rope_dim, cache_format=fmt, dtype="fp16", op="kv",
