@@ -67,7 +67,8 @@ def correctness() -> list[str]:
     suite = _json("gpu-suite-h200.json")
     rows.append(("the GPU suite (`tests/gpu`, on an H200): every sm_90a variant and launch knob bit-exact against "
                  "the reference, bad inputs, graphs, the native path",
-                 f"{suite['passed']} passed, {suite['failures'] + suite['errors']} failed", _file("gpu-suite-h200.json")))  # fmt: skip
+                 f"{suite['passed']} passed, {suite['failures'] + suite['errors']} failed "
+                 f"(at {suite['provenance']['git_commit'][:7]}, {suite['provenance']['date'][:10]})", _file("gpu-suite-h200.json")))  # fmt: skip
     root = ET.parse(RESULTS / "compat-gpu-h200.xml").getroot()
     s = root if root.tag == "testsuite" else root.find("testsuite")
     failed = int(s.get("failures")) + int(s.get("errors"))
