@@ -77,7 +77,7 @@ def test_reuse_copies_intact_entries_and_never_writes_the_users_cache(tmp_path, 
     monkeypatch.setenv("ATTN_PROLOGUE_CACHE", str(user.root))
     monkeypatch.delenv(session.ENV_CLEAN, raising=False)
     user.ensure_built(session.CHEAP)  # what `python -m attn_prologue build` leaves behind, in small
-    fastpath = native.build("fastpath", session.native_root(user.root))
+    fastpath = native.build("fastpath", user.root)
     before = _tree(tmp_path / "user")
 
     mine = tmp_path / "session" / "kernels"
@@ -94,7 +94,7 @@ def test_reuse_copies_intact_entries_and_never_writes_the_users_cache(tmp_path, 
         "kernel.ptx": 0o600,
         "meta.json": 0o600,
     }
-    assert native.built_path("fastpath", session.native_root(mine)).read_bytes() == fastpath.read_bytes()
+    assert native.built_path("fastpath", mine).read_bytes() == fastpath.read_bytes()
 
     monkeypatch.setenv(session.ENV_CLEAN, "1")  # CI: a clean build copies nothing
     assert session.reuse_user_cache(tmp_path / "clean") == 0

@@ -7,7 +7,7 @@ Three things keep it usable on a slow or busy machine:
 - Reuse. Entries that the main command (`python -m attn_prologue build`) already put into the user's
   kernel cache (`$ATTN_PROLOGUE_CACHE`, default ~/.cache/attn_prologue/kernels) with the same keys
   (variant, config, target, module source, DSL build, host) are copied into the temporary cache, and
-  so are the native parts beside it; `build` then compiles only what is missing. The user's cache is
+  so are the native parts in it; `build` then compiles only what is missing. The user's cache is
   only read, never written. `ATTN_PROLOGUE_TEST_CLEAN_BUILD=1` builds everything from nothing (CI).
 - No fixed timeout: the limit grows with the kernels left to compile and shrinks with the cores
   (`build_timeout`); `ATTN_PROLOGUE_TEST_BUILD_TIMEOUT=<seconds>` overrides it, `0` removes it.
@@ -76,11 +76,6 @@ class BuildFailed(Exception):
     """The session build did not finish; the message holds the end of its output."""
 
 
-def native_root(cache_root: Path) -> Path:
-    """Where `build --cache-dir ROOT` puts the native parts (runtime/cli: beside the kernel cache)."""
-    return cache_root.parent / "native"
-
-
 def build_cli(root: Path, timeout: float | None = None) -> tuple[subprocess.CompletedProcess, float]:
     """`attn_prologue build --cache-dir root`, in a process group of its own so that on a timeout (or
     an interrupt) ninja and the compile workers are killed with it."""
@@ -124,7 +119,7 @@ def _copy_private(src: Path, dst: Path, stop: Path) -> None:
 
 def reuse_user_cache(root: Path) -> int:
     """Copy into the cache at `root` every session entry the user's kernel cache holds intact with
-    the same key, and the native parts built beside it; the number of entries copied. Reads the
+    the same key, and the native parts built in it; the number of entries copied. Reads the
     user's cache only; a copy that does not verify in its new place is removed (then compiled)."""
     if os.environ.get(ENV_CLEAN, "0") not in ("0", ""):
         return 0
@@ -141,14 +136,11 @@ def reuse_user_cache(root: Path) -> int:
                 shutil.rmtree(mine.entry_dir(key))
                 continue
             copied += 1
-        if native.enabled():
-            theirs = native_root(user.root)
+        if native.enabled():  # the native parts live inside the kernel cache root (runtime/native)
             for part in native.PARTS:
-                found = native.built_path(part, theirs)
+                found = native.built_path(part, user.root)
                 if found is not None:
-                    _copy_private(
-                        found.parent, native_root(root) / part / found.parent.name, native_root(root)
-                    )
+                    _copy_private(found.parent, root / found.parent.relative_to(user.root), root)
     except AttnPrologueError as exc:  # an untrusted user cache: read nothing more from it
         print(f"\n[build] not reusing {user.root}: {exc}")
     return copied
