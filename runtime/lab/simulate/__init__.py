@@ -1,4 +1,4 @@
-"""`simulate`: play a serving engine on one GPU and check the op under load (docs/serving.md).
+"""`simulate`: play a serving engine on one GPU and check the op under load (docs/simulate.md).
 
 1. Profile: reserve the padded-Q scratch pool for max_num_batched_tokens (two micro-batches).
 2. Size a paged fp8_ds_mla KV cache for every layer that fills `kv_fraction` of the memory still
