@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .support import imports as im
 
-DATA = {"errors", "env", "parity", "presets", "formats", "launch", "variants", "numerics", "codecs", "reference"}
+DATA = {"errors", "env", "parity", "presets", "formats", "launch", "variants", "numerics", "codecs", "reference"}  # fmt: skip
 SERVING = {
     "tuning", "scratch", "validate", "overlap", "binding", "bound_kv", "launcher", "selftest", "dispatch", "ops", "api", "torch_op",
     "compat",  # other engines' schemas on top of the serving API: nothing of ours imports it

@@ -63,6 +63,23 @@ def test_entries_are_keyed_by_sources_and_host_and_checked_before_use(own_native
         native.built_path("fastpath")
 
 
+def test_every_source_a_part_includes_is_in_its_key():
+    """A part's cache key hashes the sources PARTS names: a local header its files include but PARTS
+    leaves out would let an edit reuse a stale build. And every C/C++ file here belongs to a part."""
+    named = set()
+    for part, (_, sources, _, _) in native.PARTS.items():
+        included = {
+            line.split('"')[1]
+            for s in sources
+            for line in (native.SOURCES / s).read_text().splitlines()
+            if line.startswith('#include "')
+        }
+        assert included <= set(sources), (part, sorted(included - set(sources)))
+        named |= set(sources)
+    on_disk = {p.name for p in native.SOURCES.iterdir() if p.suffix in (".c", ".h", ".cpp")}
+    assert on_disk == named and len(named) >= 5
+
+
 class TailLauncher:
     """A launcher whose tail is what a real one passes after the tensors (a tensor, a float, ints)."""
 

@@ -1,4 +1,4 @@
-"""vLLM's DeepSeek-V4 prologue schemas on top of attn_prologue (docs/serving.md, "Drop-in use from vLLM").
+"""vLLM's DeepSeek-V4 prologue schemas on top of attn_prologue (docs/vllm.md).
 
     pool = attn_prologue.ScratchPool()
     pool.reserve(max_tokens=max_num_batched_tokens, padded_heads=128, head_dim=512, micro_batches=1)

@@ -1,11 +1,12 @@
 """The native fast path: the per-call checks and kernel call in C, and the torch ops' CUDA kernels in C++.
 
-- `fastpath` (fastpath.c, a CPython module): what the one-call functions and the bound ops do per
-  call after their first, validated call of a shape (fastpath.h holds the checks; ops.py and api.py
-  the Python spelling of the same checks, which runs where the module is unavailable). Built with
-  the C compiler Python was built with, against tvm_ffi's headers only: torch tensors are read
-  through torch's DLPack exchange API, so one build serves every torch that has that API. Built on
-  first use (under a second) or by `attn-prologue build`.
+- `fastpath` (fastpath.c, a CPython module, with its parts fastpath_plans.h and fastpath_keys.h):
+  what the one-call functions and the bound ops do per call after their first, validated call of a
+  shape (fastpath.h holds the checks; ops.py and api.py the Python spelling of the same checks,
+  which runs where the module is unavailable). Built with the C compiler Python was built with,
+  against tvm_ffi's headers only: torch tensors are read through torch's DLPack exchange API, so one
+  build serves every torch that has that API. Built on first use (under a second) or by
+  `attn-prologue build`.
 - `torch_ops` (torch_ops.cpp): the CUDA kernels of `torch.ops.attn_prologue.*` in C++, so the
   dispatcher reaches compiled code, and a tensor reader the fast-path module then uses instead of
   the exchange API (a tensor read in place: the exchange API's pybind11 cast and GIL round trip per
@@ -125,7 +126,8 @@ def _torch_ops_command(out: Path) -> list[str]:
 
 PARTS = {  # name -> (file name, sources, build command, the versions its key holds)
     "fastpath": (FASTPATH_MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"),
-                 ("fastpath.c", "fastpath.h"), _fastpath_command, _versions),
+                 ("fastpath.c", "fastpath_plans.h", "fastpath_keys.h", "fastpath.h"), _fastpath_command,
+                 _versions),
     "torch_ops": ("attn_prologue_torch_ops.so", ("torch_ops.cpp", "fastpath.h"), _torch_ops_command,
                   lambda: {**_versions(), **_torch_versions()}),
 }  # fmt: skip

@@ -1,4 +1,4 @@
-"""`simulate`: play a serving engine on one GPU and check the op under load (docs/serving.md).
+"""`simulate`: play a serving engine on one GPU and check the op under load (docs/simulate.md).
 
 1. Profile: reserve the padded-Q scratch pool for max_num_batched_tokens (two micro-batches).
 2. Size a paged fp8_ds_mla KV cache for every layer that fills `kv_fraction` of the memory still
@@ -20,8 +20,9 @@ needles against a one-process run with every query head. On the CPU (device "cpu
 program runs the PyTorch reference instead of the kernels, without the allocating mode.
 
 engine.py is the engine model (options, prompt lengths, scheduler, block allocator, slot mappings,
-needles, memory arithmetic): it needs no GPU and is tested on the CPU. harness.py and passes.py run
-it, ranks.py holds what ranks agree on, report.py writes the result document and the table;
+needles, memory arithmetic): it needs no GPU and is tested on the CPU. harness.py, layers.py and
+passes.py run it, checks.py checks what the pool pass wrote, ranks.py holds what ranks agree on,
+report.py writes the result document and the table;
 `run(SimOptions(...))` does it all for one process, distributed.py starts and joins the ranks.
 """
 

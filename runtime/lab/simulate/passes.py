@@ -1,8 +1,8 @@
-"""The two passes of `simulate`: the bound op with its scratch pool (then the checks), and the old
-allocating op under the same memory budget. On CUDA the layers run the kernels; on the CPU the pool
-pass runs the package's reference behind the bound op's contract (ReferenceOp). Each rank plays its
-DP group's schedule with every step padded to the token count all ranks agreed on (ranks.py); a
-process alone is the world of one (Solo)."""
+"""The two passes of `simulate`: the bound op with its scratch pool (then the checks, checks.py), and
+the old allocating op under the same memory budget. On CUDA the layers run the kernels; on the CPU
+the pool pass runs the package's reference behind the bound op's contract (layers.py). Each rank
+plays its DP group's schedule with every step padded to the token count all ranks agreed on
+(ranks.py); a process alone is the world of one (Solo)."""
 
 from __future__ import annotations
 
@@ -11,88 +11,15 @@ import time
 
 import torch
 
-from ... import codecs, reference, validate
-from ...api import bind
 from ...formats import get_format
 from ...ops import qnorm_rope_kv_insert
 from ...scratch import ScratchPool
-from .engine import (
-    CACHE_FORMAT,
-    BlockAllocator,
-    Plan,
-    SimOptions,
-    Step,
-    blocks_for,
-    padded_q_bytes,
-    step_slots_positions,
-)
+from .checks import check_across_ranks, check_needles, untouched_blocks_zero
+from .engine import CACHE_FORMAT, BlockAllocator, Plan, SimOptions, padded_q_bytes
 from .harness import MEM_KEYS, Arena, Progress, fill_inputs, in_reservation, make_budget, mem_stats, size_kv
+from .layers import BF16, StepInputs, layer_ops
 from .ranks import ALONE
 from .report import gib, size
-
-BF16 = torch.bfloat16
-
-
-class ReferenceOp:
-    """A bound op on CPU tensors: the kernels' argument checks, then the PyTorch reference writing
-    a view of the pool's buffer claimed for H live heads, pads never written (zero-once)."""
-
-    def __init__(self, opts: SimOptions, pool: ScratchPool, device):
-        self.opts, self.pool, self.device = opts, pool, device
-        for mb in range(opts.micro_batches):
-            pool.claim(
-                opts.heads,
-                padded_heads=opts.padded_heads,
-                head_dim=opts.head_dim,
-                micro_batch=mb,
-                device=device,
-            )
-
-    def __call__(self, q_in, kv, k_cache, slot_mapping, positions, cos_sin_cache, *, micro_batch: int = 0):
-        o = self.opts
-        q_out = self.pool.view(
-            q_in.shape[0],
-            padded_heads=o.padded_heads,
-            head_dim=o.head_dim,
-            micro_batch=micro_batch,
-            device=self.device,
-        )
-        args = (
-            q_in,
-            kv,
-            q_out,
-            k_cache,
-            slot_mapping,
-            positions,
-            cos_sin_cache,
-            o.eps,
-            o.block_size,
-            CACHE_FORMAT,
-        )
-        validate.check_qkv(*args)
-        reference.qnorm_rope_kv_insert(*args, write_pad_heads=False)
-        return q_out
-
-
-def layer_ops(opts: SimOptions, pool: ScratchPool, device) -> list:
-    if device.type != "cuda":
-        return [ReferenceOp(opts, pool, device) for _ in range(opts.layers)]
-    return [
-        bind(
-            num_heads=opts.heads,
-            padded_heads=opts.padded_heads,
-            head_dim=opts.head_dim,
-            rope_dim=opts.rope_dim,
-            cache_format=CACHE_FORMAT,
-            dtype=BF16,
-            block_size=opts.block_size,
-            pool=pool,
-            micro_batches=opts.micro_batches,
-            eps=opts.eps,
-            device=device,
-        )
-        for _ in range(opts.layers)
-    ]
 
 
 def _sync(device) -> None:
@@ -105,22 +32,6 @@ def _release(device, budget) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     budget.restore()
-
-
-class StepInputs:
-    """Step si's rows in the arena: the rank's real tokens first, then pad rows up to the agreed N
-    (position 0, and no slot: slot_mapping holds the real rows only, so len(slot_mapping) < N)."""
-
-    def __init__(self, arena: Arena, step: Step | None, n: int, alloc: BlockAllocator):
-        self.real = step.num_tokens if step is not None else 0
-        if step is not None:
-            slots_cpu, pos_cpu = step_slots_positions(step, alloc)
-            arena.slots[: self.real].copy_(slots_cpu)
-            arena.positions[: self.real].copy_(pos_cpu)
-        arena.positions[self.real : n].zero_()
-        self.slots, self.positions = arena.slots[: self.real], arena.positions[:n]
-        self.q, self.kv = arena.q[:n], arena.kv[:n]
-        self.kind = step.kind if step is not None else "pad"
 
 
 def pool_pass(opts: SimOptions, plan: Plan, device, peers=ALONE) -> dict:
@@ -283,7 +194,7 @@ def _pool_pass_body(opts, plan: Plan, device, budget, pool: ScratchPool, peers, 
 
     # 4. checks (allocation is allowed again); every rank decides alike from what all agreed on
     if needles and not failed:
-        res.update(_check_needles(opts, needles, plan.prompt_lens, arena, kv_all, alloc, nb, fmt, device))
+        res.update(check_needles(opts, needles, plan.prompt_lens, arena, kv_all, alloc, nb, fmt, device))
     else:
         res.update(
             recall=0,
@@ -302,134 +213,10 @@ def _pool_pass_body(opts, plan: Plan, device, budget, pool: ScratchPool, peers, 
                 pads = pads and not bool(buf[r0 : r0 + 256, h:].view(torch.int16).any())
     res["pool_pads_zero"] = pads
     res["block_tables"] = {"blocks_used": nb - alloc.num_free, "blocks_needed": plan.needed_blocks}
-    res["blocks_outside_tables_zero"] = _untouched_blocks_zero(kv_all, alloc)
+    res["blocks_outside_tables_zero"] = untouched_blocks_zero(kv_all, alloc)
     if opts.query_heads is not None and not failed:
-        res.update(_check_across_ranks(opts, plan, arena, kv_all, alloc, nb, fmt, device, peers))
+        res.update(check_across_ranks(opts, plan, arena, kv_all, alloc, nb, fmt, device, peers))
     return res
-
-
-def _used_blocks(alloc: BlockAllocator) -> list[int]:
-    return sorted(b for table in alloc.tables.values() for b in table)
-
-
-def _untouched_blocks_zero(kv_all: torch.Tensor, alloc: BlockAllocator, chunk: int = 1024) -> bool:
-    """Whether every block that no block table holds is still all zero (nothing was written outside
-    the sequences' blocks: pad rows, skipped slots). In chunks of blocks: no large temporary."""
-    nb = kv_all.shape[1]
-    used = torch.zeros(nb, dtype=torch.bool)
-    used[_used_blocks(alloc)] = True
-    for b0 in range(0, nb, chunk):
-        written = kv_all[:, b0 : b0 + chunk].any(2).any(0).bool().cpu()
-        if bool((written & ~used[b0 : b0 + chunk]).any()):
-            return False
-    return True
-
-
-def _needle_records(kv_all, needles, alloc, nb, fmt, head_dim, block_size, device):
-    """Data and scale record bytes of the needles' cache entries (in the [L * num_blocks, block_bytes]
-    view of the whole cache)."""
-    L = kv_all.shape[0]
-    gslots = torch.tensor(
-        [
-            (nd.layer * nb + alloc.table(nd.seq)[nd.pos // block_size]) * block_size + nd.pos % block_size
-            for nd in needles
-        ],
-        dtype=torch.int64,
-        device=device,
-    )
-    return codecs.read_records(kv_all.view(L * nb, kv_all.shape[2]), fmt, head_dim, block_size, gslots)
-
-
-def _check_needles(opts, needles, prompt_lens, arena, kv_all, alloc, nb, fmt, device) -> dict:
-    """Decode the needles' cache entries and compare them (and their q_out rows) with the reference."""
-    h, d, bs = opts.heads, opts.head_dim, opts.block_size
-    k = len(needles)
-    pos = torch.tensor([nd.pos for nd in needles], dtype=torch.int64, device=device)
-    got_d, got_s = _needle_records(kv_all, needles, alloc, nb, fmt, d, bs, device)
-    vals = reference.kv_values(arena.needle_kv[:k], pos, arena.cos_sin)
-    want_d, want_s = codecs.encode_tokens(fmt, vals)
-    nq, tail = fmt.dims(d)
-    nope = (got_d[:, :nq] == want_d[:, :nq]).all(1)
-    rope = (got_d[:, nq:] == want_d[:, nq:]).all(1)
-    scale = (got_s == want_s).all(1)
-    exact = nope & rope & scale
-    mism = [
-        dict(
-            seq=needles[i].seq,
-            pos=needles[i].pos,
-            layer=needles[i].layer,
-            nope_ok=bool(nope[i]),
-            rope_ok=bool(rope[i]),
-            scale_ok=bool(scale[i]),
-        )
-        for i in range(k)
-        if not bool(exact[i])
-    ]
-    # q_out of the needles' rows, captured right after their layer's call
-    want_q = reference.q_values(arena.needle_q[:k], pos, arena.cos_sin, opts.eps).to(BF16)
-    got_q = arena.needle_qout[:k, :h]
-    q_exact = (got_q.view(torch.int16) == want_q.view(torch.int16)).flatten(1).all(1)
-    q_close = torch.isclose(got_q.float(), want_q.float(), rtol=1e-2, atol=1e-2).flatten(1).all(1)
-    if arena.needle_qout.shape[1] > h:
-        pads = (arena.needle_qout[:k, h:].view(torch.int16) == 0).flatten(1).all(1)
-    else:
-        pads = torch.ones(k, dtype=torch.bool, device=device)
-    return dict(
-        recall=int(exact.sum()),
-        needles=k,
-        needle_parts=dict(nope_e4m3=int(nope.sum()), rope_bf16=int(rope.sum()), scale_ue8m0=int(scale.sum())),
-        mismatches=mism[:10],
-        decode_needles=sum(1 for nd in needles if nd.pos >= prompt_lens[nd.seq]),
-        q_exact=int(q_exact.sum()),
-        q_close=int(q_close.sum()),
-        needle_pads_zero=int(pads.sum()),
-    )
-
-
-def _check_across_ranks(
-    opts, plan: Plan, arena, kv_all, alloc, nb, fmt, device, peers, chunk: int = 256
-) -> dict:
-    """What a rank must share with the others: (1) its cache bytes equal to every other rank of its
-    TP group (they hold the same tokens in the same slots); (2) its needles equal to a one-process
-    run, with every query head, of the same tokens (the op is row-independent, so running the
-    needles' rows alone is running those tokens). Collectives here are TP-group-local; every rank of
-    a group reaches them alike (same tables, same needles)."""
-    h, d, bs = opts.heads, opts.head_dim, opts.block_size
-    out: dict = {}
-    tables = {s: alloc.table(s) for s in sorted(alloc.tables)}
-    k = len(plan.needles)
-    # what each rank holds, seen by all: a group whose ranks disagree skips the collectives that
-    # would need them to agree (byte compare: the same blocks; gather: the same needle count)
-    group = [peers.gather((tables, k))[r] for r in peers.tp_ranks]
-    if peers.tp > 1:
-        same = all(t == tables for t, _ in group)
-        mismatched = compared = 0
-        if same:
-            used = torch.tensor(_used_blocks(alloc), dtype=torch.int64, device=device)
-            for layer in range(kv_all.shape[0]):  # a layer's chunk of blocks at a time: small temporaries
-                for b0 in range(0, used.numel(), chunk):
-                    blocks = kv_all[layer].index_select(0, used[b0 : b0 + chunk])
-                    mismatched += peers.tp_mismatches(blocks)
-                    compared += blocks.shape[0]
-        out["tp_cache"] = dict(tables_equal=same, blocks_compared=compared, mismatched_bytes=mismatched)
-    full = dict(needles=k, q_equal=0, records_equal=0)
-    if k and all(n == k for _, n in group):
-        q_full = torch.cat(peers.tp_gather(arena.needle_q[:k].contiguous()), dim=1)  # [k, query_heads, D]
-        q_out = torch.empty_like(q_full)  # P = H: a one-process run with every head pads nothing
-        cache = torch.zeros((blocks_for(k, bs), kv_all.shape[2]), dtype=torch.uint8, device=device)
-        slots = torch.arange(k, dtype=torch.int64, device=device)
-        pos = torch.tensor([nd.pos for nd in plan.needles], dtype=torch.int64, device=device)
-        qnorm_rope_kv_insert(
-            q_full, arena.needle_kv[:k], q_out, cache, slots, pos, arena.cos_sin, opts.eps, bs
-        )
-        shard = q_out[:, peers.tp_rank * h : (peers.tp_rank + 1) * h]
-        q_equal = (shard.view(torch.int16) == arena.needle_qout[:k, :h].view(torch.int16)).flatten(1).all(1)
-        got_d, got_s = _needle_records(kv_all, plan.needles, alloc, nb, fmt, d, bs, device)
-        want_d, want_s = codecs.read_records(cache, fmt, d, bs, slots)
-        records = (got_d == want_d).all(1) & (got_s == want_s).all(1)
-        full.update(q_equal=int(q_equal.sum()), records_equal=int(records.sum()))
-    out["full_head"] = full
-    return out
 
 
 def allocating_pass(opts: SimOptions, plan: Plan, device, peers=ALONE) -> dict:

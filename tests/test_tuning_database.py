@@ -1,0 +1,243 @@
+"""The tuning database on CPU: round trip, merge, lookup, mismatch and corruption, the dispatcher's
+use of it, and hostile files (bad entries, files that are not a database, a FIFO or a huge file,
+concurrent writers)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from attn_prologue import dispatch, tuning
+from attn_prologue.generated import registry
+from attn_prologue.launch import LaunchConfig
+from attn_prologue.variants import ArchFamily, IoDtype, Op, Request, arch_for_capability
+
+# ---- tuning database -----------------------------------------------------------------------------
+ENV = tuning.Environment(
+    gpu="NVIDIA H200", sms=132, capability="9.0", driver="13000", package="0.1.0", dsl="abc"
+)
+
+
+def entry(bucket, config, **over):
+    e = {
+        **ENV.as_dict(),
+        "variant": "qkv_d512r64_fp8_ds_mla_bf16_sm90",
+        "bucket": bucket,
+        "config": config,
+        "us": 1.0,
+    }
+    e.update(over)
+    return e
+
+
+def test_buckets():
+    assert [tuning.bucket_of(n) for n in (0, 1, 2, 3, 64, 65, 32768)] == [1, 1, 2, 4, 64, 128, 32768]
+    assert tuning.default_buckets(32768) == [2**i for i in range(16)]
+
+
+def test_database_round_trip_merge_and_lookup(tmp_path):
+    db = tuning.TuningDatabase([entry(1, "w2_u1_pdl1_nc1"), entry(64, "w8_u1_pdl1_nc1")])
+    path = db.save(tmp_path / "db.json")
+    again = tuning.TuningDatabase.load(path)
+    again.merge([entry(64, "w16_u1_pdl1_nc0"), entry(2048, "w4_u1_pdl1_nc1")])
+    assert len(again.entries) == 3
+    table = again.table_for(ENV)
+    assert table[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == {
+        (64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0")
+    }
+    assert json.loads(path.read_text())["format"] == tuning.DB_FORMAT
+    # entries tuned at other head counts are kept beside it, not merged over it
+    again.merge(
+        [
+            entry(64, "w4_u1_pdl1_nc1", heads=16, padded_heads=16),
+            entry(64, "w2_u2_pdl0_nc0", heads=8, padded_heads=64),
+        ]
+    )
+    assert again.table_for(ENV)[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == {
+        (64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0"),
+        (16, 16): LaunchConfig.from_key("w4_u1_pdl1_nc1"),
+        (8, 64): LaunchConfig.from_key("w2_u2_pdl0_nc0"),
+    }
+
+
+def test_lookup_takes_the_nearest_tuned_head_counts():
+    a, b, c, d = (
+        LaunchConfig.from_key(k)
+        for k in ("w4_u1_pdl1_nc1", "w8_u1_pdl1_nc1", "w2_u1_pdl1_nc1", "w16_u1_pdl0_nc0")
+    )
+    tuned = {(16, 16): a, (64, 64): b, (128, 128): c, (8, 64): d}  # (live heads, heads written)
+    assert [tuning.pick(tuned, h) for h in (16, 64, 128)] == [a, b, c]
+    assert tuning.pick(tuned, 8, 64) == d  # pads written: the (8, 64) entry
+    assert (
+        tuning.pick(tuned, 8) == a
+    )  # zero-once (8 written): log2 distance 1 + 1 to (16, 16), 0 + 3 to (8, 64)
+    assert tuning.pick(tuned, 16, 64) == d  # 1 + 0 from (8, 64), 0 + 2 from (16, 16), 2 + 0 from (64, 64)
+    assert tuning.pick(tuned, 32) == b  # 1 + 1 to both (16, 16) and (64, 64): the larger
+    assert tuning.pick(tuned, 4096) == c
+    assert tuning.pick(tuned, None) == c  # no Q heads (KV ops): the largest
+    assert tuning.pick({}, 16) is None and tuning.pick(None, 16) is None
+
+
+def test_an_untuned_gpu_is_noted_once_not_warned_and_ignored_unless_forced(tmp_path, caplog, recwarn):
+    db = tuning.TuningDatabase(
+        [entry(1, "w2_u1_pdl1_nc1", gpu="NVIDIA GB10", sms=48, capability="12.1")], tmp_path / "x"
+    )
+    tuning._NOTED.clear()
+    with caplog.at_level("INFO", logger="attn_prologue.tuning"):
+        assert db.table_for(ENV) == {}
+        assert db.table_for(ENV) == {}  # a second bind: nothing more said
+    notes = [r for r in caplog.records if "no entry matches" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelname == "INFO" and "tune" in notes[0].getMessage()
+    assert not [w for w in recwarn if issubclass(w.category, tuning.TuningDatabaseWarning)]
+    assert len(db.table_for(ENV, force=True)) == 1
+
+
+@pytest.mark.parametrize(
+    "text", ["{not json", '{"format": 99, "entries": []}', '{"format": 1, "entries": [{"variant": "x"}]}']
+)
+def test_corrupt_database_is_reported_and_ignored(tmp_path, text):
+    p = tmp_path / "db.json"
+    p.write_text(text)
+    with pytest.warns(tuning.TuningDatabaseWarning, match="corrupt"):
+        db = tuning.TuningDatabase.load(p)
+    assert db.entries == []
+
+
+class RecordingCache:
+    """A kernel cache that loads nothing: it records what the dispatcher asks for."""
+
+    def __init__(self, root):
+        self.root, self.keys = root, []
+
+    def load(self, key):
+        self.keys.append(key)
+        return object()
+
+
+def fake_device(name="NVIDIA H200", capability=(9, 0), sms=132):
+    def facts(index):
+        arch, target = arch_for_capability(*capability)
+        return dispatch.DeviceFacts(index, name, capability, arch, target, sms, f"{name}|fake")
+
+    return facts
+
+
+def test_dispatcher_prefers_the_database_over_the_default(tmp_path):
+    """Each bucket gets the DB entry tuned at its head counts (or the nearest), else the arch default."""
+    env = tuning.environment_for("NVIDIA H200", 132, (9, 0))
+    db = tuning.TuningDatabase(
+        [
+            {**env.as_dict(), "variant": "qkv_d512r64_fp8_ds_mla_bf16_sm90", "bucket": 64,
+             "config": "w16_u1_pdl1_nc0", "us": 1.0},
+            {**env.as_dict(), "variant": "qkv_d512r64_fp8_ds_mla_bf16_sm90", "bucket": 64,
+             "config": "w2_u2_pdl0_nc0", "us": 1.0, "heads": 16, "padded_heads": 16},
+        ]
+    )  # fmt: skip
+    cache = RecordingCache(tmp_path)
+    rt = dispatch.Runtime(cache=cache, tuning_db=db.save(tmp_path / "db.json"), device_facts=fake_device())
+    req = Request(Op.QKV, 512, 64, "fp8_ds_mla", IoDtype.BF16)
+    by_bucket = rt.launchers(req, 0, heads=64)
+    assert len(by_bucket) == dispatch.MAX_BUCKET_LOG2 + 1
+    assert by_bucket[dispatch.bucket_index(50)].config.key == "w16_u1_pdl1_nc0"
+    assert by_bucket[dispatch.bucket_index(3000)].config == ArchFamily.SM90.default_config
+    assert (
+        rt.launchers(req, 0, heads=8)[dispatch.bucket_index(64)].config.key == "w2_u2_pdl0_nc0"
+    )  # nearest: 16
+    assert {k.target for k in cache.keys} == {"sm_90a"}
+    assert {k.variant for k in cache.keys} == {"qkv_d512r64_fp8_ds_mla_bf16_sm90"}
+    assert len(cache.keys) == 3  # one load per distinct config, not per bucket
+    # a GPU the database was not tuned on gets the default everywhere
+    other = dispatch.Runtime(cache=cache, tuning_db=tmp_path / "db.json", device_facts=fake_device(sms=114))
+    assert {la.config for la in other.launchers(req, 0, heads=64)} == {ArchFamily.SM90.default_config}
+
+
+def test_shipped_database_loads_and_names_valid_configs():
+    db = tuning.TuningDatabase.load(tuning.shipped_database_path())
+    assert db.entries and all(e["gpu"] == "NVIDIA H200" and e["capability"] == "9.0" for e in db.entries)
+    for e in db.entries:
+        assert e["variant"] in registry.VARIANTS
+        LaunchConfig.from_key(e["config"])
+
+
+# ---- tuning database: hostile files ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "bad,why",
+    [
+        ({"heads": 0}, "heads must be a positive integer"),
+        ({"heads": -4}, "heads must be a positive integer"),
+        ({"bucket": 3}, "power of two"),
+        ({"bucket": True}, "bucket must be a positive integer"),
+        ({"capability": "nine"}, "capability must look like 9.0"),
+        ({"config": "w3"}, "not a launch-config key"),
+        ({"variant": ["x"]}, "variant must be a string"),
+        ({"sms": None}, "sms must be a positive integer"),
+    ],
+)
+def test_one_bad_entry_is_skipped_and_the_rest_are_used(tmp_path, bad, why):
+    good = [entry(1, "w2_u1_pdl1_nc1"), entry(64, "w8_u1_pdl1_nc1")]
+    path = tmp_path / "db.json"
+    path.write_text(
+        json.dumps({"format": tuning.DB_FORMAT, "entries": [*good, {**entry(2, "w4_u1_pdl1_nc1"), **bad}]})
+    )
+    with pytest.warns(
+        tuning.TuningDatabaseWarning, match=f"skipped 1 invalid entries, using the other 2.*{why}"
+    ):
+        db = tuning.TuningDatabase.load(path)
+    assert db.entries == good
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"format": 1, "entries": [{"bucket": Infinity}]}',
+        '{"format": 1, "entries": [{"us": NaN}]}',
+        "[" * 100_000 + "]" * 100_000,
+        "[]",
+        "null",
+    ],
+)
+def test_a_database_that_is_not_one_is_ignored_not_a_crash(tmp_path, text):
+    path = tmp_path / "db.json"
+    path.write_text(text)
+    with pytest.warns(tuning.TuningDatabaseWarning):
+        assert tuning.TuningDatabase.load(path).entries == []
+
+
+def test_a_fifo_or_huge_file_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.warns(tuning.TuningDatabaseWarning, match="not a regular file"):
+        assert tuning.TuningDatabase.load(fifo).entries == []
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(tuning.MAX_DB_BYTES + 1)
+    with pytest.warns(tuning.TuningDatabaseWarning, match="more than"):
+        assert tuning.TuningDatabase.load(big).entries == []
+
+
+def test_concurrent_writers_keep_every_merge_and_readers_never_see_a_partial_file(tmp_path):
+    path = tmp_path / "db.json"
+    tuning.TuningDatabase([]).save(path)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", MERGER, str(path), str(w)], stderr=subprocess.PIPE, text=True)
+        for w in range(4)
+    ]
+    partial = 0
+    while any(p.poll() is None for p in procs):
+        data = json.loads(path.read_text())  # raises on a partial file
+        partial += not isinstance(data.get("entries"), list)
+    for p in procs:
+        assert p.wait() == 0, p.stderr.read()
+    entries = tuning.TuningDatabase.load(path).entries
+    assert partial == 0 and len(entries) == 4 * 25  # no merge lost
+
+
+MERGER = r"""
+import sys
+from attn_prologue import tuning
+env = tuning.Environment(gpu="NVIDIA H200", sms=132, capability="9.0", driver="", package="0.1.0", dsl="abc")
+for i in range(25):
+    e = {**env.as_dict(), "variant": f"v{sys.argv[2]}_{i}", "bucket": 1, "config": "w4_u1_pdl1_nc1", "us": 1.0}
+    tuning.TuningDatabase.merge_into(sys.argv[1], [e])
+"""
