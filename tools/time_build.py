@@ -16,9 +16,11 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +40,45 @@ def cpu_model() -> str:
 def machine() -> dict:
     """The facts a CPU timing depends on (tools/time_tests.py records the same)."""
     return {"cpus": os.cpu_count(), "cpu": cpu_model(), "system": platform.platform()}
+
+
+class BesideBuild:
+    """A full clean `python -m attn_prologue build` kept running beside other work until `stop()`:
+    each into an empty cache under `root` (removed once done), restarted whenever one finishes."""
+
+    def __init__(self, root: Path):
+        self.root, self.runs, self._stop = root, [], threading.Event()
+        self.command = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir"]
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            cache = self.root / f"cache-{len(self.runs)}"
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(
+                [*self.command, str(cache)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+            )
+            while proc.poll() is None and not self._stop.wait(1.0):
+                pass
+            finished = proc.poll() is not None
+            if not finished:
+                proc.terminate()
+                proc.wait()
+            self.runs.append({"wall_seconds": round(time.perf_counter() - t0, 1),
+                              "returncode": proc.returncode if finished else None})  # fmt: skip
+            shutil.rmtree(cache, ignore_errors=True)
+
+    def stop(self) -> dict:
+        """End the build in progress; what ran: the command, and each build's time and exit status
+        (None: stopped before it finished)."""
+        self._stop.set()
+        self._thread.join()
+        return {
+            "command": shlex.join(["python", *self.command[1:4]]) + " (each into an empty cache of its own)",
+            "builds": self.runs,
+            "completed": sum(r["returncode"] == 0 for r in self.runs),
+        }
 
 
 def main() -> int:

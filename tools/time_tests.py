@@ -5,8 +5,9 @@ the slowest tests, and the machine, with provenance.
     python tools/time_tests.py --json results/tests-cpu.json                       # an idle machine
     python tools/time_tests.py --concurrent-build --json results/tests-cpu-concurrent.json
 
-`--concurrent-build` starts a full `python -m attn_prologue build` into an empty cache of its own
-beside the tests (the busy machine of issue 29) and records that build's time too. `--clean` makes the
+`--concurrent-build` keeps a full `python -m attn_prologue build` running beside the tests, each into
+an empty cache of its own and restarted whenever one finishes (a busy machine), and records those
+builds' times too. `--clean` makes the
 session build compile everything instead of reusing the main command's kernels (what CI does). Run
 it from the repository root after the README's first command. The README's test-time claims come
 from these files (tests/test_readme.py).
@@ -27,7 +28,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from attn_prologue.lab.provenance import provenance
-from time_build import machine
+from time_build import BesideBuild, machine
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -65,13 +66,7 @@ def main() -> int:
         env = {**os.environ, ENV_RECORD: str(tmp / "session-build.json")}
         if args.clean:
             env[ENV_CLEAN] = "1"
-        beside = None
-        if args.concurrent_build:
-            build_cmd = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir", str(tmp / "beside")]
-            beside = subprocess.Popen(
-                build_cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-            )
-            beside_t0 = time.perf_counter()
+        beside = BesideBuild(tmp / "beside") if args.concurrent_build else None
         load_before = os.getloadavg()
         extra = ["--junitxml", str(tmp / "junit.xml"), "--durations", "10"]
         t0 = time.perf_counter()
@@ -84,16 +79,7 @@ def main() -> int:
         )
         wall = time.perf_counter() - t0
         load_after = os.getloadavg()
-        concurrent = None
-        if beside is not None:
-            still_running = beside.poll() is None
-            rc = beside.wait()
-            concurrent = {
-                "command": shlex.join(["python", *build_cmd[1:4]]) + " (into an empty cache of its own)",
-                "wall_seconds": round(time.perf_counter() - beside_t0, 1),
-                "returncode": rc,
-                "outlasted_the_tests": still_running,
-            }
+        concurrent = beside.stop() if beside is not None else None
         if not (tmp / "junit.xml").exists():
             print(proc.stdout[-3000:], proc.stderr[-3000:])
             return proc.returncode or 1
