@@ -117,3 +117,25 @@ def test_scale_quotient_is_the_ieee_quotient_from_tiny_to_infinite(c):
     amax = torch.cat([x * 2.0**k for k in (-117, -40, -13, 0, 9, 60, 126)])
     amax = torch.cat((amax, torch.tensor([0.0, 3.4028234663852886e38, float("inf")])))
     assert torch.equal(nx.quotient_by_constant(amax, c).view(torch.int32), (amax / c).view(torch.int32))
+
+
+def test_the_unsaturated_magic_rounding_is_used_only_where_the_kernel_clamped_first():
+    """`e2m1_pack8(..., in_range=True)` skips the saturation (and the NaN rule) of the magic rounding,
+    which is right only after quotients_by_e4m3 clamped x to +-6s: the E4M3-scaled formats that divide
+    (nvfp4_v41). A UE8M0-scaled FP4 row (mxfp4) can hold NaN or Inf there, a multiplied NVFP4 group
+    (nvfp4_dsv4) too, so they must saturate. Read from every generated module that packs E2M1."""
+    from attn_prologue.formats import ScaleCode
+    from attn_prologue.variants import generated, parse_name
+
+    from .support.build import REPO
+
+    seen = set()
+    for name in generated():
+        text = (REPO / "generated" / "kernels" / f"{name}.py").read_text()
+        if "packed = e2m1_pack8(" not in text:
+            continue
+        f = parse_name(name).format
+        clamped = f.scale is ScaleCode.E4M3 and f.divide_by_scale
+        assert f"in_range={clamped}" in text and f"in_range={not clamped}" not in text, name
+        seen.add((f.name, clamped))
+    assert seen == {("mxfp4", False), ("nvfp4_dsv4", False), ("nvfp4_v41", True)}

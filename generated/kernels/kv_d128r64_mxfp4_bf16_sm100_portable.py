@@ -62,8 +62,12 @@ def e2m1_code(x: Float32) -> Uint32:
     return Uint32(cutlass.select_(x != x, Uint32(0x7), code))
 
 
-def e2m1_pack8(y) -> Uint32:
-    """8 float32 -> one word of 8 e2m1 codes, element 2j in the low nibble of byte j."""
+def e2m1_pack8(y, lean: bool, in_range: bool) -> Uint32:
+    """8 float32 -> one word of 8 e2m1 codes, element 2j in the low nibble of byte j. `lean`
+    (LaunchConfig.lean_quant): the same codes by the magic-add rounding (kl.e2m1_pack8_by_magic),
+    which skips its saturation where `in_range` (y known to be in [-6, 6] and not NaN)."""
+    if lean:  # a Python bool: decided while the kernel is traced
+        return kl.e2m1_pack8_by_magic(y, saturate=not in_range)
     word = Uint32(0)
     for i in range(8):
         word = word | (e2m1_code(y[i]) << Uint32(4 * i))
@@ -288,10 +292,7 @@ class Kernel:
                     e = Int32(byte) - 127
                     y = xr[s] * kl.scale_multiplier(e)
 
-                    if const_expr(self.cfg.lean_quant):  # the magic-add rounding (y is in [-6, 6] already)
-                        packed = kl.e2m1_pack8_by_magic(y, saturate=False)
-                    else:
-                        packed = e2m1_pack8(y)
+                    packed = e2m1_pack8(y, self.cfg.lean_quant, in_range=False)
                     if (args.numerics & FP4_POSITIVE_ZERO) != 0:
                         packed = kl.e2m1_positive_zeros(packed)
                     if ok:
