@@ -80,3 +80,14 @@ def test_counts_the_docs_state_are_the_codes():
                 assert n == formats, f"{page.name}: '{m[0]}', the code has {formats} formats"
                 seen += 1
     assert seen >= 4  # README (variants, formats), glossary, docs/README, formats.md
+
+
+def test_the_performance_page_shows_the_committed_sass_census():
+    """docs/performance.md's census table is rendered from results/sass-instructions-cpu.json."""
+    spec = importlib.util.spec_from_file_location("sass_census", REPO / "tools" / "sass_census.py")
+    census = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(census)
+    page = (REPO / "docs" / "performance.md").read_text()
+    assert page == census.render_docs(RESULTS / "sass-instructions-cpu.json"), (
+        "run `python tools/sass_census.py --render-docs`"
+    )

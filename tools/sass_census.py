@@ -4,6 +4,9 @@ and on, for sm_90a and sm_120a, and what they mean on the H200: a row's issue ti
 Compiles on the CPU (no GPU); writes results/sass-instructions-cpu.json with the provenance.
 
     python tools/sass_census.py [--json results/sass-instructions-cpu.json]
+    python tools/sass_census.py --render-docs     # rewrite docs/performance.md's census table from the file
+
+docs/performance.md's census table is `census_table(json)` of the committed file (a test compares them).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from attn_prologue.codegen.archs import ARCH_SPECS
 from attn_prologue.formats import get_format
@@ -91,10 +95,79 @@ def census() -> list[dict]:
     return out
 
 
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
+BEGIN = (
+    "<!-- census: rendered by tools/sass_census.py --render-docs from results/sass-instructions-cpu.json -->"
+)
+END = "<!-- end census -->"
+
+
+def _label(variant: str, row: str, ratio: int, qkv_row: bool) -> str:
+    v = parse_name(variant)
+    text = f"{v.op.value} `{v.cache_format}`"
+    text += " (D = 128)" if v.head_dim == 128 and ratio == 1 else ""
+    text += f", r = {ratio}" if ratio != 1 else ""
+    if qkv_row:
+        text += ": a Q row" if row == "q" else ": its KV row"
+    return text
+
+
+def _pair(off, on, digits: int) -> str:
+    a, b = f"{off:.{digits}f}", f"{on:.{digits}f}"
+    return f"{a} (unchanged)" if a == b and digits == 2 else a if a == b else f"{a} -> {b}"
+
+
+def census_table(doc: dict) -> str:
+    """The census table and the sm_120a line of docs/performance.md, from a census file."""
+    by = {
+        (w["variant"], w["target"], w["row"], w["compress_ratio"], w["lean_quant"]): w for w in doc["writers"]
+    }
+    lines = [
+        "| writer | instructions per value | issue / DRAM time per row | allowed at DRAM speed |",
+        "|---|---|---|---|",
+    ]
+    for base, row, ratio in WRITERS:
+        off, on = (by[(f"{base}_sm90", "sm_90a", row, ratio, lean)] for lean in (False, True))
+        lines.append(
+            f"| {_label(off['variant'], row, ratio, base.startswith('qkv'))} | {_pair(off['per_value'], on['per_value'], 2)} "
+            f"| {_pair(off['h200']['issue_over_dram'], on['h200']['issue_over_dram'], 2).replace(' (unchanged)', '')} "
+            f"| {off['h200']['per_value_at_bandwidth']:.1f} |"
+        )
+    sm120 = [
+        f"`{parse_name(base + '_sm120').cache_format}` "
+        + _pair(
+            *(by[(f"{base}_sm120", "sm_120a", row, ratio, lean)]["per_value"] for lean in (False, True)), 2
+        )
+        for base, row, ratio in WRITERS
+        if base.startswith("kv_d")
+        and ratio == 1
+        and "bf16" in base
+        and parse_name(base + "_sm120").cache_format in ("nvfp4_v41", "nvfp4_dsv4", "mxfp4", "fp8_ds_mla")
+    ]
+    lines += [
+        "",
+        "On sm_120a, where E2M1 and UE8M0 convert in hardware (kv, per value): " + ", ".join(sm120) + ".",
+    ]
+    return "\n".join(lines)
+
+
+def render_docs(census_file: Path) -> str:
+    """docs/performance.md with its census block rendered from `census_file`."""
+    text = DOCS.read_text()
+    head, rest = text.split(BEGIN + "\n", 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{census_table(json.loads(census_file.read_text()))}\n{END}{tail}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="results/sass-instructions-cpu.json")
+    parser.add_argument("--render-docs", action="store_true", help="only rewrite docs/performance.md's table")
     args = parser.parse_args(argv)
+    if args.render_docs:
+        DOCS.write_text(render_docs(Path(args.json)))
+        print(f"rendered {DOCS} from {args.json}")
+        return 0
     origin = provenance(argv=[sys.executable, *sys.argv], device="cpu")
     doc = {
         "provenance": origin,
