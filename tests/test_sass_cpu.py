@@ -1,6 +1,6 @@
 """The SASS counter (attn_prologue.lab.sass) on modules compiled here for sm_90a and sm_120a into a
 temporary cache, and the copy yardsticks compiled for every family. No GPU is needed; nvdisasm comes
-with the test extra (the triton wheel ships one)."""
+with the test extra (the nvidia-cuda-nvdisasm wheel)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,23 @@ def test_compressed_writers_count_the_group_boundary_code(cache):
     ratio = counted(cache, f"{NVFP4}_sm90", compress=True)
     assert ratio["instructions"] > plain["instructions"]
     assert ratio["classes"]["conversion"] > plain["classes"]["conversion"]  # I2F.RP of each integer division
+
+
+def test_parity_choice_code_is_counted_apart_from_the_defaults_path(cache):
+    """Blocks wholly inside an `if` on a set `numerics` bit (the NoPE identity rotation, the exact FP4
+    zero, ...) run only when a caller asks for that choice: the defaults' count leaves them out, the
+    union counts them. The lines that mark them are read from the module's syntax tree."""
+    c = counted(cache, "kv_d512r64_fp8_ds_mla_bf16_sm90")  # (ptxas predicates the NVFP4 ones instead)
+    assert c["instructions_every_choice"] > c["instructions"]
+    path = sass.compiler.load_module("kv_d512r64_fp8_ds_mla_bf16_sm90").__file__
+    text = open(path).read().splitlines()
+    lines = sass._choice_lines(path)
+    guarded = [n for n, t in enumerate(text, 1) if "self.rotate_nope(ys, sub)" in t]
+    defaults = [n for n, t in enumerate(text, 1) if "if (args.numerics & FP32_ROTATED_ROW) == 0" in t]
+    rotate_nope = [n for n, t in enumerate(text, 1) if "def rotate_nope(" in t]
+    assert guarded and set(guarded) <= lines  # the body of `if (args.numerics & NOPE_ROTATION) != 0`
+    assert rotate_nope and set(rotate_nope) <= lines  # a method only called from such a body
+    assert defaults and defaults[0] + 1 not in lines  # the body of a `== 0` test runs by default
 
 
 def test_qkv_counts_q_rows_and_kv_rows_apart(cache):

@@ -160,6 +160,26 @@ def test_time() -> list[str]:
     return _table(("`python -m pytest -q`", "wall", "tests", "session build", "machine, file"), rows)
 
 
+def readme_commands() -> list[str]:
+    rows = []
+    for name, how in (
+        ("readme-commands-cpu.json", "idle machine"),
+        ("readme-commands-cpu-concurrent.json", "beside a full build kept running"),
+    ):
+        r = _json(name)
+        if r is None:
+            continue
+        main, install, pytest_step = (r["steps"] + [None, None, None])[:3]
+        total = install["wall_seconds"] + pytest_step["wall_seconds"] if pytest_step else None
+        rows.append((how, f"{main['wall_seconds'] / 60:.1f} min, exit {main['returncode']}",
+                     f"{total / 60:.1f} min, exit {pytest_step['returncode']}" if total else "not run",
+                     "passed" if r["passed"] else "**failed**",
+                     f"{r['provenance']['git_commit'][:7]}; {_file(name)}"))  # fmt: skip
+    return _table(
+        ("the two commands, verbatim", "main command", "test command", "verdict", "commit, file"), rows
+    )
+
+
 def render() -> str:
     parts = [
         BEGIN,
@@ -186,6 +206,11 @@ def render() -> str:
         "**Test time** (`python tools/time_tests.py`)",
         "",
         *test_time(),
+        "",
+        "**The two commands on a new machine** (`python tools/readme_commands.py`: a fresh clone, virtual "
+        "environment and kernel cache; the test command's pytest step through `tools/time_tests.py`)",
+        "",
+        *readme_commands(),
         "",
         END,
     ]

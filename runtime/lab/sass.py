@@ -10,9 +10,12 @@ group-boundary code (for a ratio of 1), or to code that runs only for rare input
 call (the IEEE division's slow path for denormal, huge or special operands; the 64-bit division of
 slots >= 2^31) and the global atomics of the error counter. Predicated-off instructions are issued
 all the same and count. The union of reachable blocks is what a warp issues when its lanes take both
-sides of a branch (the rope tail vs the quantized vectors, the lanes that store a scale); where a
-branch is warp-uniform, both sides count although one runs: the format-choice branches (a few
-instructions each; most are if-converted to predicated code anyway).
+sides of a branch (the rope tail vs the quantized vectors, the lanes that store a scale). The parity
+choices' code is warp-uniform: a block that lies wholly inside the body of an `if` that tests a
+`numerics` bit as set (and the Kernel methods called only from such bodies) runs only when a caller
+asks for that choice, so `instructions` counts the format defaults' path and
+`instructions_every_choice` the union; choice code the compiler if-converts into a shared block
+(predicated) counts in both, as it is issued.
 
 Per value: that count divided by the values one lane handles in one pass (D / LANES_PER_ROW), i.e.
 thread instructions per value; a warp issues count warp instructions per pass of 32 / LANES_PER_ROW
@@ -28,6 +31,7 @@ without one `SassToolMissing` says where it was looked for.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import importlib.util
@@ -222,6 +226,7 @@ class Block:
     region: str | None = None  # the pass it belongs to (None: shared)
     compress: bool = False
     cold: bool = False
+    choice: bool = False  # only reached when a parity-choice bit is set
 
 
 def basic_blocks(instrs: list[Instruction], labels: dict[str, int]) -> list[Block]:
@@ -269,6 +274,53 @@ def _module_lines(path: str) -> tuple[dict[int, str], frozenset[int]]:
     return where, frozenset(compress)
 
 
+def _bit_test(test: ast.expr) -> str | None:
+    """ "set" for an `if` test that holds only when a `numerics` bit is set (`(args.numerics & X) != 0`,
+    alone or and-ed with other conditions), "clear" for `(args.numerics & X) == 0` alone (its else
+    branch then runs only when one is set), None otherwise."""
+    if isinstance(test, ast.BinOp) and isinstance(test.op, ast.BitAnd):
+        return "set" if "set" in (_bit_test(test.left), _bit_test(test.right)) else None
+    if not (isinstance(test, ast.Compare) and "args.numerics &" in ast.unparse(test.left)):
+        return None
+    if ast.unparse(test.comparators[0]) != "0":
+        return None
+    return {ast.NotEq: "set", ast.Eq: "clear"}.get(type(test.ops[0]))
+
+
+def _self_calls(node: ast.AST) -> list[str]:
+    return [
+        n.func.attr
+        for n in ast.walk(node)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "self"
+    ]
+
+
+@functools.cache
+def _choice_lines(path: str) -> frozenset[int]:
+    """Lines of a generated module that run only when a parity-choice bit is set: the branches of the
+    `if`s that test one as set (or the else of one that tests them clear), and the Kernel methods
+    called from nowhere else."""
+    tree = ast.parse(Path(path).read_text())
+    lines: set[int] = set()
+    guarded, calls = Counter(), Counter(_self_calls(tree))
+    for node in ast.walk(tree):
+        kind = _bit_test(node.test) if isinstance(node, ast.If) else None
+        for stmt in {"set": getattr(node, "body", []), "clear": getattr(node, "orelse", [])}.get(kind, []):
+            lines.update(range(stmt.lineno, stmt.end_lineno + 1))
+            guarded.update(_self_calls(stmt))
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.FunctionDef)
+            and guarded[node.name]
+            and guarded[node.name] == calls[node.name]
+        ):
+            lines.update(range(node.lineno, node.end_lineno + 1))
+    return frozenset(lines)
+
+
 def label_blocks(blocks: list[Block], module: str) -> None:
     """Each block's pass and whether it is compressed-writer code, from the line info of its
     instructions in the generated module `module` (a file name); a block with none there, or only
@@ -287,6 +339,7 @@ def label_blocks(blocks: list[Block], module: str) -> None:
             methods = [where.get(n) for _, n in own]
             passes = Counter(m for m in methods if m in PASSES)
             blk.compress = sum(n in compress for _, n in own) * 2 > len(own)
+            blk.choice = all(n in _choice_lines(own[0][0]) for _, n in own)
             if passes or any(m not in shared for m in methods):
                 blk.region = passes.most_common(1)[0][0] if passes else None
                 continue
@@ -296,11 +349,19 @@ def label_blocks(blocks: list[Block], module: str) -> None:
             blk.region = regions.pop()
         if not own and earlier:
             blk.compress = all(blocks[p].compress for p in earlier)
+            blk.choice = all(blocks[p].choice for p in earlier)
 
 
-def reachable(blocks: list[Block], row: str, compress: bool) -> list[int]:
-    """Blocks a steady-state pass of `row` kind can reach from the entry."""
-    ok = [not blk.cold and blk.region in (None, row) and (compress or not blk.compress) for blk in blocks]
+def reachable(blocks: list[Block], row: str, compress: bool, choices: bool = False) -> list[int]:
+    """Blocks a steady-state pass of `row` kind can reach from the entry (`choices`: with every
+    parity choice's code too; otherwise the format defaults' path)."""
+    ok = [
+        not blk.cold
+        and blk.region in (None, row)
+        and (compress or not blk.compress)
+        and (choices or not blk.choice)
+        for blk in blocks
+    ]
     seen, stack = set(), [0]
     while stack:
         b = stack.pop()
@@ -355,6 +416,7 @@ def count(
     if not v.op.has_q and not any(b.compress for b in blocks):
         raise SassError(f"{variant}: no compressed-writer code found (markers {COMPRESS_MARKERS} changed?)")
     hot = [i for b in reachable(blocks, region, compress) for i in blocks[b].instrs]
+    every_choice = sum(len(blocks[b].instrs) for b in reachable(blocks, region, compress, choices=True))
     mod = compiler.load_module(variant)
     values = mod.HEAD_DIM // mod.LANES_PER_ROW
     main = [i for i in instrs if i.function == "main"]
@@ -372,6 +434,7 @@ def count(
         "instructions": len(hot),
         "values_per_lane": values,
         "per_value": round(len(hot) / values, 2),
+        "instructions_every_choice": every_choice,  # the union with every parity choice's code
         "classes": dict(sorted(Counter(instruction_class(i.base) for i in hot).items())),
         "ieee_divisions": sum(i.base == "FCHK" for i in hot),  # each div.rn.f32 fast path checks once
         "mufu": sum(i.base == "MUFU" for i in hot),
