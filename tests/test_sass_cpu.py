@@ -11,7 +11,7 @@ import tempfile
 import pytest
 from attn_prologue.codegen.plan import make_plan
 from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
-from attn_prologue.lab import copy_kernel, sass, timing
+from attn_prologue.lab import copy_kernel, sass, sass_reader, timing
 from attn_prologue.variants import Op, parse_name
 
 NVFP4 = "kv_d512r64_nvfp4_v41_bf16"
@@ -100,7 +100,7 @@ def test_qkv_counts_q_rows_and_kv_rows_apart(cache):
 
 
 def test_without_nvdisasm_the_reason_is_given(monkeypatch, tmp_path):
-    monkeypatch.setattr(sass, "nvdisasm_candidates", lambda: [tmp_path / "nvdisasm"])
+    monkeypatch.setattr(sass_reader, "nvdisasm_candidates", lambda: [tmp_path / "nvdisasm"])
     sass.nvdisasm.cache_clear()
     try:
         assert "pip install nvidia-cuda-nvdisasm" in sass.tool_versions()["missing"]
