@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -217,7 +218,29 @@ def test_cache_shows_where_what_and_cleans(tmp_path):
 
 
 def test_every_shape_set_names_shapes():
-    from attn_prologue.lab import bench
+    from attn_prologue.lab import shape_sets
 
     for name in COMMANDS["bench"]._option_string_actions["--shapes"].choices:
-        assert bench.default_shapes(name), name
+        assert shape_sets.default_shapes(name), name
+    assert set(shape_sets.SASS_SHAPE_SETS) <= set(
+        COMMANDS["bench"]._option_string_actions["--shapes"].choices
+    )
+
+
+def test_bench_also_applies_each_change_where_the_format_has_it(capsys):
+    from attn_prologue.cli.options import bench_change
+    from attn_prologue.lab import commands, shape_sets
+
+    assert bench_change("lean_quant") == ("lean_quant", True)
+    assert bench_change("numerics=preset=vllm") == ("numerics", "preset=vllm")
+    with pytest.raises(argparse.ArgumentTypeError, match="not a bench change"):
+        bench_change("numerics=")
+    shapes = [s for s in shape_sets.default_shapes("writers") if s.n == 64]
+    changes = [("lean_quant", True), ("numerics", "preset=flashmla")]
+    out, skipped = commands._with_changes(shapes, changes)
+    assert out[:2] == [shapes[0], replace(shapes[0], lean_quant=True)]  # each change right after its shape
+    assert len(out) + len(skipped) == len(shapes) * 3
+    # flashmla's preset covers fp8_ds_mla only: the other writers' copies are skipped, with the reason
+    assert [s.cache_format for s in out if s.numerics] == ["fp8_ds_mla"]
+    assert len(skipped) == len(shapes) - 1 and all("flashmla" in line for line in skipped)
+    assert " lean_quant" in out[1].label and "numerics=preset=flashmla" in out[2].label

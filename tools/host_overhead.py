@@ -32,7 +32,7 @@ def main() -> None:
     import dataclasses
 
     from attn_prologue import api, dispatch, ops
-    from attn_prologue.lab import bench
+    from attn_prologue.lab import bench, shape_sets
     from attn_prologue.lab.provenance import provenance
     from attn_prologue.lab.timing import host_time_us
 
@@ -94,7 +94,7 @@ def main() -> None:
         import gc
 
         t0 = time.perf_counter()
-        for sh in bench.default_shapes("targets"):
+        for sh in shape_sets.default_shapes("targets"):
             bench.run_shape(sh, replays=5)
         out["bench_seconds"] = round(time.perf_counter() - t0, 1)
         out["python_objects_after_bench"] = len(gc.get_objects())

@@ -104,7 +104,20 @@ def _variant_pattern(text: str) -> str:
     return text
 
 
+def _bench_change(text: str) -> tuple[str, object]:
+    """`bench --also`: lean_quant, or numerics=SPEC (SPEC itself is parsed by the format it meets)."""
+    if text == "lean_quant":
+        return ("lean_quant", True)
+    name, eq, spec = text.partition("=")
+    if name == "numerics" and eq and spec:
+        return ("numerics", spec)
+    raise ValueError(
+        f"not a bench change: {text!r} (lean_quant, or numerics=SPEC such as numerics=preset=vllm)"
+    )
+
+
 targets = _typed("targets", _targets)
+bench_change = _typed("bench change", _bench_change)
 config_keys = _typed("config keys", _config_keys)
 variant_pattern = _typed("variant", _variant_pattern)
 

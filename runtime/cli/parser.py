@@ -15,10 +15,11 @@ SHAPE_SETS = (
     "indexer",
     "records",
     "modes",
+    "writers",
     "all",
     "quick",
     "baseline",
-)  # lab/bench.default_shapes
+)  # lab/shape_sets.default_shapes
 NOT_WRITTEN = "(default: not written)"
 DEFAULT_CACHE = "(default: $ATTN_PROLOGUE_CACHE, else ~/.cache/attn_prologue/kernels)"
 CACHE_DIR = f"the kernel cache {DEFAULT_CACHE}"
@@ -87,7 +88,12 @@ def build_parser() -> o.Parser:
                  "time the op against a copy of its bytes, torch eager and torch.compile (GPU)", gpu="")  # fmt: skip
     s.add_argument("--shapes", default="targets", choices=SHAPE_SETS,
                    help="which shape set to time (targets: the fp8_ds_mla targets' shapes; records: the V4.1 and "
-                   "NVFP4 records'; modes: the op modes V4.1 engines call)")  # fmt: skip
+                   "NVFP4 records'; modes: the op modes V4.1 engines call; writers: every writer alone at T = 1, "
+                   "64, 2048 and 8192, the compressed writers and interleaved Q)")  # fmt: skip
+    s.add_argument("--also", action="append", type=o.bench_change, metavar="CHANGE",
+                   help="also time each shape with this change, right after it: lean_quant (the dispatched "
+                   "config with LaunchConfig.lean_quant), or numerics=SPEC (e.g. numerics=preset=vllm); "
+                   "repeatable; a shape the change does not apply to is skipped and counted (default: none)")  # fmt: skip
     s.add_argument(
         "--max-tokens", type=o.count(1), help="skip shapes with more tokens than this (default: none)"
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -47,6 +47,8 @@ class Shape:
     apply_q_rope: bool = True
     q_layout: str = "head_major"
     compress_ratio: int = 1  # kv ops: group-boundary rows only (positions are uniform: 1 in r rows)
+    numerics: str = ""  # the KV path's parity choices (`numerics=`); "": the format's defaults
+    lean_quant: bool = False  # the dispatched config with LaunchConfig.lean_quant set
 
     @property
     def label(self) -> str:
@@ -58,6 +60,8 @@ class Shape:
                 (" no-q-rope", not self.apply_q_rope),
                 (" interleaved", self.q_layout == "interleaved"),
                 (f" r={self.compress_ratio}", self.compress_ratio != 1),
+                (f" numerics={self.numerics}", self.numerics),
+                (" lean_quant", self.lean_quant),
             )
             if on
         )
@@ -71,6 +75,14 @@ class Shape:
             Op(self.op), self.head_dim, self.rope_dim, self.cache_format, IoDtype(self.dtype), q_out,
             q_layout=QLayout(self.q_layout),
         )  # fmt: skip
+
+    def launch_config(self):
+        """The config the dispatcher picks for this shape's token count (lean_quant set if asked)."""
+        rt = dispatch.default_runtime()
+        qkv = self.op == "qkv"
+        written = (self.h if self.zero_once else self.p) if qkv else None
+        cfg = rt.config(rt.variant(self.request), None, self.n, self.h if qkv else None, written)
+        return replace(cfg, lean_quant=True) if self.lean_quant else cfg
 
     def min_bytes(self) -> int:
         """The bytes the call must move: slot and position of every row; KV row, cos/sin and record
@@ -216,12 +228,13 @@ def op_fns(
         extra = {
             "config": config,
             "checked": checked,
+            "numerics": shape.numerics or None,
             **({"write_pad_heads": not shape.zero_once} if qkv else {}),
         }
     else:
         fn = reference.qnorm_rope_kv_insert if qkv else reference.kv_rope_insert
         fn = _compiled(fn) if impl == "compiled" else fn
-        extra = {"order": "eager"}
+        extra = {"order": "eager", "numerics": shape.numerics or None}
     fns = []
     for s in sets:
         args, kw = call_args(shape, s)
@@ -247,6 +260,7 @@ def run_shape(
     """One shape's timings against the copy; count_sass: also the instructions per value of its module."""
     nsets = sets_for_cold_l2(shape)
     sets = input_sets(shape, nsets)
+    config = config or (shape.launch_config() if shape.lean_quant else None)
     op = graph_time_us(op_fns(shape, sets, config=config), replays=replays, calls_per_graph=max(nsets, 20))
     copy = copy_time_us(shape.min_bytes(), nsets, replays, max(nsets, 20))
     res = Result(asdict(shape), shape.min_bytes(), op, copy)
@@ -371,52 +385,3 @@ def document(results: list[Result], meta: dict, provenance: dict) -> dict:
 def save(doc: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
-
-
-# the shape sets whose rows carry the instructions per value of their module (issue 26: a regression shows)
-SASS_SHAPE_SETS = ("records", "modes", "all")
-
-
-def default_shapes(which: str = "targets") -> list[Shape]:
-    main = dict(head_dim=512, cache_format="fp8_ds_mla", block_size=64)
-    shapes = []
-    if which in ("targets", "all", "quick"):
-        ts = (1, 8, 64, 512, 2048, 8192) if which == "quick" else (1, 8, 64, 512, 2048, 8192, 32768)
-        shapes += [Shape(n=t, h=64, p=64, **main) for t in ts]
-        shapes += [
-            Shape(n=t, h=h, p=h, **main)
-            for h in (32, 16)
-            for t in ((1, 8) if h == 32 else (1, 8, 2048, 8192))
-        ]
-        shapes += [Shape(n=t, h=8, p=64, zero_once=z, **main) for t in (2048, 8192) for z in (False, True)]
-    if which == "baseline":  # the shapes whose torch.compile baseline is measured in a short run
-        shapes += [Shape(n=t, h=64, p=64, **main) for t in (1, 64, 2048)] + [
-            Shape(n=2048, h=16, p=16, **main)
-        ]
-    if which in ("indexer", "all", "quick"):
-        for fmt in ("fp8_token", "mxfp4"):
-            shapes += [Shape(n=t, h=64, p=64, head_dim=128, cache_format=fmt) for t in (1, 64, 2048, 8192)]
-        shapes += [Shape(n=t, h=64, p=64, cache_format="mxfp8") for t in (1, 2048, 8192)]
-    if which in ("modes", "all"):  # the op modes V4.1 engines call (MODE_TARGETS)
-        for t in (1, 2048, 8192):
-            shapes += [Shape(n=t, **main)]  # the full op, the modes' yardstick
-            shapes += [Shape(n=t, apply_q_norm=False, **main), Shape(n=t, apply_q_rope=False, **main)]
-            shapes += [Shape(n=t, apply_q_norm=False, apply_q_rope=False, **main)]
-            shapes += [
-                Shape(n=t, q_layout="interleaved", **main),
-                Shape(n=t, cache_format="mxfp8", block_size=64),
-            ]
-            shapes += [
-                Shape(n=t, cache_format="mxfp8", q_layout="interleaved", apply_q_norm=False, block_size=64)
-            ]
-            shapes += [Shape(n=t, op="kv", **main), Shape(n=t, op="kv", compress_ratio=4, **main)]
-            shapes += [Shape(n=t, op="kv", cache_format="nvfp4_v41", compress_ratio=2)]
-            shapes += [
-                Shape(n=t, op="kv_norm", head_dim=128, cache_format=f, compress_ratio=4)
-                for f in ("fp8_token", "mxfp4")
-            ]
-    if which in ("records", "all"):  # the V4.1 and NVFP4 records (FORMAT_TARGETS)
-        shapes += [Shape(n=t, h=64, p=64, cache_format="nvfp4_dsv4") for t in (1, 2048, 8192)]
-        for fmt in ("nvfp4_dsv4", "nvfp4_v41", "mxfp8"):
-            shapes += [Shape(n=t, h=64, p=64, cache_format=fmt, op="kv") for t in (1, 2048, 8192)]
-    return shapes

@@ -4,24 +4,51 @@ parses and range-checks the arguments (lists, names and numbers arrive converted
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from .. import dispatch, tuning
 from ..errors import InputError
+from ..formats import ScaleCode, get_format
 from ..launch import all_configs
+from ..parity import NumericsError
 from ..variants import generated, parse_name
-from . import bench, plots, simulate, targets, tune
+from . import bench, plots, shape_sets, simulate, targets, tune
 from .provenance import provenance
 from .timing import l2_bytes
 
 
+def _with_changes(shapes: list, changes: list[tuple[str, object]]) -> tuple[list, list[str]]:
+    """Each shape, then its copy under each `--also` change that applies to it (lean_quant: a format
+    that quantizes; numerics: one whose format accepts the choices); and the skipped ones' reasons."""
+    out, skipped = [], []
+    for shape in shapes:
+        out.append(shape)
+        for field, value in changes:
+            changed = replace(shape, **{field: value})
+            fmt = get_format(shape.cache_format)
+            try:
+                if field == "numerics":
+                    fmt.numerics_flags(value)
+                elif fmt.scale in (ScaleCode.NONE, ScaleCode.TENSOR_F32):  # lean_quant changes block scales
+                    raise NumericsError(f"{fmt.name} has no per-block scale for lean_quant to compute")
+            except NumericsError as exc:
+                skipped.append(f"{changed.label}: {str(exc).splitlines()[0]}")
+                continue
+            out.append(changed)
+    return out, skipped
+
+
 def run_bench(args) -> int:
     origin = provenance()
-    shapes = bench.default_shapes(args.shapes)
+    shapes = shape_sets.default_shapes(args.shapes)
     if args.max_tokens:
         shapes = [s for s in shapes if s.n <= args.max_tokens]
+    shapes, skipped = _with_changes(shapes, args.also or [])
+    for line in skipped:
+        print(f"skipped {line}")
     # host overhead in the fresh process, and again after the shapes (their torch.compile baselines
     # and graphs stay in the process): both are reported and checked
     host = bench.host_overhead_us(bench.Shape(n=1))
@@ -31,7 +58,7 @@ def run_bench(args) -> int:
             shape,
             baselines=not args.no_baselines,
             replays=args.replays,
-            count_sass=args.shapes in bench.SASS_SHAPE_SETS,
+            count_sass=args.shapes in shape_sets.SASS_SHAPE_SETS,
         )
         results.append(r)
         if args.json:  # written after every shape: a run cut short keeps what it measured
