@@ -68,8 +68,9 @@ def test_the_cpu_implementation_counts_as_the_kernels_count():
     """The same call with out-of-range slots and positions on CUDA tensors (the kernel's counters) and
     on CPU tensors (the CPU implementation's): the same counts, and the same bytes."""
     outs = {}
+    base = valid("cpu")  # one draw for both devices (their generators differ), moved to each
     for device in ("cuda", "cpu"):
-        a = valid(device)
+        a = {k: v.to(device, copy=True) if isinstance(v, torch.Tensor) else v for k, v in base.items()}
         capacity = a["k_cache"].shape[0] * BS
         a["slot_mapping"][[1, 3]] = torch.tensor([capacity, 2**36], device=device)
         a["positions"][[2, 5]] = torch.tensor([-1, a["cos_sin_cache"].shape[0]], device=device)
