@@ -22,7 +22,12 @@ RESULTS = REPO / "results"
 BEGIN = "<!-- results: rendered by tools/readme_results.py from results/; edit those, then run it -->"
 END = "<!-- results: end -->"
 # the newest first: a target measured on as many shapes in two files is read from the newer
-BENCHES = ("bench-h200-writers.json", "bench-h200-targets.json", "bench-h200-records.json", "bench-h200-modes.json")
+BENCHES = (
+    "bench-h200-writers.json",
+    "bench-h200-targets.json",
+    "bench-h200-records.json",
+    "bench-h200-modes.json",
+)
 HOST_RATIO = "host-ratio/native-2654f5f-{}.json"  # the three runs of the current native path
 HOST_ROWS = (  # (ratio key, what it is)
     ("one-call function", "one-call function `ap.qnorm_rope_kv_insert`"),
