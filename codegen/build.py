@@ -19,6 +19,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from attn_prologue import tuning
@@ -64,6 +65,8 @@ def build_keys(
             if t not in (DEFAULT_BUILD_TARGETS if targets is None else targets):
                 continue
             chosen = (given or {v.arch.default_config}) | tuned.get((v.name, t), set())
+            if v.format.numerics_choices():  # a defaults_only module's twin serves the calls with choices
+                chosen |= {replace(c, defaults_only=False) for c in chosen if c.defaults_only}
             for cfg in sorted(chosen, key=lambda c: c.key):
                 keys.append((v, KernelKey(v.name, cfg, t)))
     return keys

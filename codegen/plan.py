@@ -122,6 +122,7 @@ def make_plan(v: Variant) -> dict:
             if value in NUMERICS_FLAGS[field]
         },
         "choices": {field: field in choices for field in CHOICE_TYPES},
+        "default_numerics": f.numerics_flags(),  # the defaults' bits: what a defaults_only module reads
         # ScaleFloor.SCALE as the least UE8M0 byte: 127 + ceil(log2(fl32(floor))), for AmaxFloor.E4 / E8
         "floor_bytes": tuple(ceil_log2_f32(float(v.value)) + 127 for v in AmaxFloor),
         "needs_e2m1": f.element is ElementCode.E2M1,

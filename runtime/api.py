@@ -82,7 +82,7 @@ class BoundOp(SlotWidthCalls):
             Op.QKV, head_dim, rope_dim, cache_format, io, QOut.FP8 if q8 else QOut.IO, q_layout=layout
         )
         self._request, self._config, self._rt = request, config, rt
-        self._launch_args, self._lead = {"heads": num_heads}, ops.QKV_TENSORS
+        self._launch_args, self._lead = {"heads": num_heads, "numerics": flags}, ops.QKV_TENSORS
         self.errors = rt.errors_buffer(device)
         self.h, self.p, self.head_dim, self.rope_dim = num_heads, p, head_dim, rope_dim
         self.block_size, self.eps = block_size, float(eps)

@@ -230,15 +230,24 @@ class Runtime:
         written: int | None = None,
         config: LaunchConfig | None = None,
         slots32: bool = False,
+        numerics: int | None = None,
     ) -> tuple[Launcher, ...]:
         """The launcher of every token-count bucket (index = bucket_index(n)); `config` forces one.
-        slots32: compiled for int32 slot ids (the same tuned configs, the other slot width)."""
+        slots32: compiled for int32 slot ids (the same tuned configs, the other slot width). numerics:
+        the calls' parity-choice bits (None: the format defaults'); a defaults_only config serves only
+        the defaults, so other bits get the same config compiled with every choice."""
         facts = self.device(device)
         v = self.variant(request, facts.index)
+        defaults = numerics is None or numerics == v.format.numerics_flags()
         configs = [
             config or self.config(v, facts.index, 1 << i, heads, written) for i in range(MAX_BUCKET_LOG2 + 1)
         ]
-        return tuple(self.launcher(v, replace(c, slots32=slots32), facts.index) for c in configs)
+        return tuple(
+            self.launcher(
+                v, replace(c, slots32=slots32, defaults_only=c.defaults_only and defaults), facts.index
+            )
+            for c in configs
+        )
 
 
 def _index(device) -> int:

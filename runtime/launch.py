@@ -31,6 +31,10 @@ class LaunchConfig:
     # tests/gpu: test_launch_configs_match_reference). Off by default: the tuner picks it per bucket (on
     # the H200 it won the FP4 writers by 1.1-1.3x, docs/performance.md)
     lean_quant: bool = False
+    # compiled for the format's default parity choices only: the kernel reads its `numerics` argument as
+    # the defaults' constant, so the choices' branches fold away. The dispatcher binds such a module
+    # only to calls whose `numerics` are the defaults (Runtime.launchers), and another module otherwise
+    defaults_only: bool = False
 
     def __post_init__(self):
         if self.warps_per_cta not in (1, 2, 4, 8, 16, 32):
@@ -63,12 +67,14 @@ class LaunchConfig:
             k += "_s32"
         if self.lean_quant:
             k += "_lq"
+        if self.defaults_only:
+            k += "_d"
         return k
 
     @classmethod
     def from_key(cls, key: str) -> LaunchConfig:
         m = re.fullmatch(
-            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?", key
+            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?(_d)?", key
         )
         if not m:
             close = difflib.get_close_matches(key, [c.key for c in all_configs()], n=1)
@@ -76,7 +82,7 @@ class LaunchConfig:
                 f"not a launch-config key: {key!r}"
                 + (f" (did you mean {close[0]}?)" if close else "")
                 + "; keys read w<warps per CTA>_u<passes per warp>_pdl<0|1>_nc<0|1>[_c<CTAs per SM>]"
-                "[_spread][_cs][_m<min CTAs per SM>][_s32], e.g. w4_u1_pdl1_nc1_cs"
+                "[_spread][_cs][_m<min CTAs per SM>][_s32][_lq][_d], e.g. w4_u1_pdl1_nc1_cs"
             )
         return cls(
             int(m.group(1)),
@@ -89,6 +95,7 @@ class LaunchConfig:
             int(m.group(8) or 0),
             bool(m.group(9)),
             bool(m.group(10)),
+            bool(m.group(11)),
         )
 
     def as_dict(self) -> dict:
@@ -102,7 +109,7 @@ class LaunchConfig:
 def all_configs() -> list[LaunchConfig]:
     """Every config the template supports (the tuner prunes from these; slot width is the caller's)."""
     return [
-        LaunchConfig(w, u, pdl, nc, c, spread, cs, m, lean_quant=lean)
+        LaunchConfig(w, u, pdl, nc, c, spread, cs, m, lean_quant=lean, defaults_only=dflt)
         for w in (1, 2, 4, 8, 16, 32)
         for u in (1, 2, 4)
         for pdl in (True, False)
@@ -112,4 +119,5 @@ def all_configs() -> list[LaunchConfig]:
         for cs in (False, True)
         for m in (0, min(32, 48 // w))  # a register cap for 48 resident warps
         for lean in (False, True)
+        for dflt in (False, True)
     ]

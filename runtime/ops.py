@@ -239,6 +239,7 @@ def qnorm_rope_kv_insert(
                 written=nwh,
                 config=config,
                 slots32=slot_mapping.dtype == torch.int32,
+                numerics=flags,
             )
             shape = shape_calls(
                 launchers, leading(QKV_TENSORS, kv_scale, q_scale), cache_format, d, errors=rt.errors_buffer(device),
@@ -342,7 +343,7 @@ def kv_rope_insert(
         if shape is None:
             launchers = rt.launchers(
                 _with_conversions(request, conversions), device, config=config,
-                slots32=slot_mapping.dtype == torch.int32,
+                slots32=slot_mapping.dtype == torch.int32, numerics=flags,
             )  # fmt: skip
             tensors = ("kv", "norm_weight", *KV_TENSORS[1:]) if norm else KV_TENSORS
             values = dict(

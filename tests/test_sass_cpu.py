@@ -145,3 +145,16 @@ def test_lean_quant_counts_fewer_instructions(cache, variant):
         assert on["per_value"] <= off["per_value"] - 4
     else:
         assert on["instructions"] <= 0.9 * off["instructions"]
+
+
+@pytest.mark.parametrize("variant", ["kv_d512r64_fp8_ds_mla_bf16_sm90", f"{NVFP4}_sm90", f"{NVFP4}_sm120"])
+def test_a_defaults_only_module_carries_no_parity_choice_code(variant):
+    """LaunchConfig.defaults_only reads `numerics` as the format defaults' constant: the choices' code
+    folds away (nothing is left to count apart), the defaults' path gets shorter, and the memory
+    accesses of a row stay the same."""
+    v = parse_name(variant)
+    default = v.arch.default_config
+    every = sass.count(variant, default, v.arch.targets[0])
+    only = sass.count(variant, dataclasses.replace(default, defaults_only=True), v.arch.targets[0])
+    assert only["instructions_every_choice"] == only["instructions"] < every["instructions"]
+    assert only["classes"]["memory"] == every["classes"]["memory"]

@@ -152,6 +152,32 @@ def test_dispatcher_prefers_the_database_over_the_default(tmp_path):
     assert {la.config for la in other.launchers(req, 0, heads=64)} == {ArchFamily.SM90.default_config}
 
 
+def test_a_defaults_only_entry_serves_only_calls_with_the_defaults(tmp_path, monkeypatch):
+    """A tuned defaults_only config (its module reads `numerics` as the defaults' constant) is bound for
+    calls with the format's default bits; a call with any parity choice gets the same config without
+    it, and the build compiles that twin too."""
+    from attn_prologue.codegen import build
+    from attn_prologue.variants import parse_name
+
+    env = tuning.environment_for("NVIDIA H200", 132, (9, 0))
+    name, key = "kv_d512r64_mxfp8_bf16_sm90", "w8_u1_pdl1_nc1_cs_lq_d"
+    db = tuning.TuningDatabase([{**env.as_dict(), "variant": name, "bucket": 2048, "config": key, "us": 1.0}])
+    cache = RecordingCache(tmp_path)
+    rt = dispatch.Runtime(cache=cache, tuning_db=db.save(tmp_path / "db.json"), device_facts=fake_device())
+    req = Request(Op.KV, 512, 64, "mxfp8", IoDtype.BF16)
+    i = dispatch.bucket_index(2048)
+    fmt = parse_name(name).format
+    for bits in (None, fmt.numerics_flags()):
+        assert rt.launchers(req, 0, numerics=bits)[i].config.key == key
+    vllm = fmt.numerics_flags("preset=vllm")
+    assert vllm != fmt.numerics_flags() and rt.launchers(req, 0, numerics=vllm)[i].config.key == key[:-2]
+    forced = LaunchConfig.from_key("w16_u1_pdl1_nc1_d")  # a forced config is treated alike
+    assert {la.config.key for la in rt.launchers(req, 0, config=forced, numerics=vllm)} == {"w16_u1_pdl1_nc1"}
+    # the build: the twin of a tuned defaults_only config, for a format that has parity choices
+    monkeypatch.setattr(build, "tuned_configs", lambda: {(name, "sm_90a"): {LaunchConfig.from_key(key)}})
+    assert {key, key[:-2]} <= {k.config.key for _, k in build.build_keys([parse_name(name)], {"sm_90a"})}
+
+
 def test_shipped_database_loads_and_names_valid_configs():
     db = tuning.TuningDatabase.load(tuning.shipped_database_path())
     assert db.entries and all(e["gpu"] == "NVIDIA H200" and e["capability"] == "9.0" for e in db.entries)

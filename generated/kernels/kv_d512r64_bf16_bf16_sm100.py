@@ -29,6 +29,7 @@ SPECULATIVE_ROWS = 512  # compressed writers: calls up to this many rows load ev
 FP32_ROTATED_ROW = 4
 NOPE_ROTATION = 8
 ROPE_ODD_COS = 16
+DEFAULT_NUMERICS = 0  # the format defaults' bits: a defaults_only module reads these
 
 # ---- cache format bf16 (attn_prologue.formats) ------------------------------------
 DATA_BYTES = 1024  # D bf16 values per token
@@ -110,6 +111,8 @@ class Kernel:
 
     @cute.kernel
     def kernel(self, args: Arguments, schedule: Schedule):
+        if const_expr(self.cfg.defaults_only):  # a constant: the parity choices' branches fold away
+            args = args._replace(numerics=Int32(DEFAULT_NUMERICS))
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         if const_expr(self.cfg.pdl):

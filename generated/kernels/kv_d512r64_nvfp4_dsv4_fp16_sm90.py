@@ -32,6 +32,7 @@ FP32_ROTATED_ROW = 4
 NOPE_ROTATION = 8
 ROPE_ODD_COS = 16
 SCALE_PAD_SKIP = 1024
+DEFAULT_NUMERICS = 0  # the format defaults' bits: a defaults_only module reads these
 
 # ---- cache format nvfp4_dsv4 (attn_prologue.formats) ------------------------------------
 DATA_BYTES = 352  # data record per token
@@ -147,6 +148,8 @@ class Kernel:
 
     @cute.kernel
     def kernel(self, args: Arguments, schedule: Schedule):
+        if const_expr(self.cfg.defaults_only):  # a constant: the parity choices' branches fold away
+            args = args._replace(numerics=Int32(DEFAULT_NUMERICS))
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         if const_expr(self.cfg.pdl):

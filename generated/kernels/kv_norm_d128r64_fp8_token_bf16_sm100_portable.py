@@ -32,6 +32,7 @@ ROPE_ODD_COS = 16
 E4M3_NAN_POS_MAX = 32
 E4M3_NAN_NEG_MAX = 64
 INF_SCALE_OVERFLOW = 128
+DEFAULT_NUMERICS = 0  # the format defaults' bits: a defaults_only module reads these
 
 # ---- cache format fp8_token (attn_prologue.formats) ------------------------------------
 DATA_BYTES = 128  # data record per token
@@ -129,6 +130,8 @@ class Kernel:
 
     @cute.kernel
     def kernel(self, args: Arguments, schedule: Schedule):
+        if const_expr(self.cfg.defaults_only):  # a constant: the parity choices' branches fold away
+            args = args._replace(numerics=Int32(DEFAULT_NUMERICS))
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         if const_expr(self.cfg.pdl):

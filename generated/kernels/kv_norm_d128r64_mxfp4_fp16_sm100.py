@@ -31,6 +31,7 @@ FP4_EXACT_ZERO = 2048
 FP32_ROTATED_ROW = 4
 NOPE_ROTATION = 8
 ROPE_ODD_COS = 16
+DEFAULT_NUMERICS = 0  # the format defaults' bits: a defaults_only module reads these
 
 # ---- cache format mxfp4 (attn_prologue.formats) ------------------------------------
 DATA_BYTES = 64  # data record per token
@@ -148,6 +149,8 @@ class Kernel:
 
     @cute.kernel
     def kernel(self, args: Arguments, schedule: Schedule):
+        if const_expr(self.cfg.defaults_only):  # a constant: the parity choices' branches fold away
+            args = args._replace(numerics=Int32(DEFAULT_NUMERICS))
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         if const_expr(self.cfg.pdl):

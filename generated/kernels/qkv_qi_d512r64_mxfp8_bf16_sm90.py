@@ -36,6 +36,7 @@ E4M3_NAN_POS_MAX = 32
 E4M3_NAN_NEG_MAX = 64
 INF_SCALE_OVERFLOW = 128
 INF_SCALE_WRAPPED = 256
+DEFAULT_NUMERICS = 0  # the format defaults' bits: a defaults_only module reads these
 
 # ---- Q switches: bits of the run-time `q_flags` argument (attn_prologue.variants.QFlag) -----------
 NO_NORM = 1
@@ -151,6 +152,8 @@ class Kernel:
 
     @cute.kernel
     def kernel(self, args: Arguments, schedule: Schedule):
+        if const_expr(self.cfg.defaults_only):  # a constant: the parity choices' branches fold away
+            args = args._replace(numerics=Int32(DEFAULT_NUMERICS))
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         if const_expr(self.cfg.pdl):

@@ -105,14 +105,14 @@ def _variant_pattern(text: str) -> str:
 
 
 def _bench_change(text: str) -> tuple[str, object]:
-    """`bench --also`: lean_quant, or numerics=SPEC (SPEC itself is parsed by the format it meets)."""
-    if text == "lean_quant":
-        return ("lean_quant", True)
+    """`bench --also`: lean_quant, defaults_only, or numerics=SPEC (SPEC is parsed by the format it meets)."""
+    if text in ("lean_quant", "defaults_only"):
+        return (text, True)
     name, eq, spec = text.partition("=")
     if name == "numerics" and eq and spec:
         return ("numerics", spec)
     raise ValueError(
-        f"not a bench change: {text!r} (lean_quant, or numerics=SPEC such as numerics=preset=vllm)"
+        f"not a bench change: {text!r} (lean_quant, defaults_only, or numerics=SPEC such as numerics=preset=vllm)"
     )
 
 

@@ -49,6 +49,9 @@ class Shape:
     compress_ratio: int = 1  # kv ops: group-boundary rows only (positions are uniform: 1 in r rows)
     numerics: str = ""  # the KV path's parity choices (`numerics=`); "": the format's defaults
     lean_quant: bool = False  # the dispatched config with LaunchConfig.lean_quant set
+    defaults_only: bool = (
+        False  # ... with LaunchConfig.defaults_only set (a call with `numerics` gets its twin)
+    )
 
     @property
     def label(self) -> str:
@@ -62,6 +65,7 @@ class Shape:
                 (f" r={self.compress_ratio}", self.compress_ratio != 1),
                 (f" numerics={self.numerics}", self.numerics),
                 (" lean_quant", self.lean_quant),
+                (" defaults_only", self.defaults_only),
             )
             if on
         )
@@ -77,12 +81,16 @@ class Shape:
         )  # fmt: skip
 
     def launch_config(self):
-        """The config the dispatcher picks for this shape's token count (lean_quant set if asked)."""
+        """The config the dispatcher picks for this shape's token count (lean_quant, defaults_only set if asked)."""
         rt = dispatch.default_runtime()
         qkv = self.op == "qkv"
         written = (self.h if self.zero_once else self.p) if qkv else None
         cfg = rt.config(rt.variant(self.request), None, self.n, self.h if qkv else None, written)
-        return replace(cfg, lean_quant=True) if self.lean_quant else cfg
+        return replace(
+            cfg,
+            lean_quant=cfg.lean_quant or self.lean_quant,
+            defaults_only=cfg.defaults_only or self.defaults_only,
+        )
 
     def min_bytes(self) -> int:
         """The bytes the call must move: slot and position of every row; KV row, cos/sin and record
@@ -260,7 +268,7 @@ def run_shape(
     """One shape's timings against the copy; count_sass: also the instructions per value of its module."""
     nsets = sets_for_cold_l2(shape)
     sets = input_sets(shape, nsets)
-    config = config or (shape.launch_config() if shape.lean_quant else None)
+    config = config or (shape.launch_config() if shape.lean_quant or shape.defaults_only else None)
     op = graph_time_us(op_fns(shape, sets, config=config), replays=replays, calls_per_graph=max(nsets, 20))
     copy = copy_time_us(shape.min_bytes(), nsets, replays, max(nsets, 20))
     res = Result(asdict(shape), shape.min_bytes(), op, copy)

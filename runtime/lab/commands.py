@@ -32,7 +32,10 @@ def _with_changes(shapes: list, changes: list[tuple[str, object]]) -> tuple[list
             try:
                 if field == "numerics":
                     fmt.numerics_flags(value)
-                elif fmt.scale in (ScaleCode.NONE, ScaleCode.TENSOR_F32):  # lean_quant changes block scales
+                elif field == "lean_quant" and fmt.scale in (
+                    ScaleCode.NONE,
+                    ScaleCode.TENSOR_F32,
+                ):  # block scales
                     raise NumericsError(f"{fmt.name} has no per-block scale for lean_quant to compute")
             except NumericsError as exc:
                 skipped.append(f"{changed.label}: {str(exc).splitlines()[0]}")

@@ -28,6 +28,7 @@ CONFIG_KEYS = [
     "w4_u1_pdl1_nc1_c4_spread",
     "w8_u1_pdl0_nc0_cs_m6",
     "w4_u1_pdl1_nc1_cs_lq",  # lean_quant: the leaner exact quantization arithmetic
+    "w8_u1_pdl1_nc1_cs_d",  # defaults_only: the parity choices folded to the format defaults
 ]
 CONFIG_VARIANTS = [
     "qkv_d512r64_fp8_ds_mla_bf16_sm90",

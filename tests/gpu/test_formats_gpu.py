@@ -50,6 +50,8 @@ MATRIX = [
     for op, q8 in ops_for(fmt)
     for num in numerics_cases(fmt, singles=op == "kv" and not q8)
 ]
+# per (format, op, FP8 q): its case with every field at its last value (numerics_cases' third spelling)
+MATRIX_LAST = {(f, o, q): numerics_cases(f, singles=False)[-1] for f, o, q, _ in MATRIX}
 
 
 def tie_groups(x: torch.Tensor, fmt_name: str) -> None:
@@ -112,6 +114,19 @@ LEAN_CONFIG = LaunchConfig.from_key("w4_u1_pdl1_nc1_cs_lq")
 def test_lean_quant_parity_choices_and_edges(fmt, op, q8, num):
     """The same rows with the leaner exact arithmetic: every parity choice, ties, NaN/Inf, tiny and huge."""
     edge_checks(fmt, op, q8, num, config=LEAN_CONFIG)
+
+
+# a defaults_only config: the defaults' rows run its module (numerics folded to the defaults' constant),
+# every other choice runs the twin the dispatcher binds instead (the same config compiled with them)
+DEFAULTS_ONLY = [m for m in MATRIX if m[3] in ("", MATRIX_LAST[m[:3]])]
+DEFAULTS_ONLY_CONFIG = LaunchConfig.from_key("w4_u1_pdl1_nc1_cs_lq_d")
+
+
+@pytest.mark.parametrize(
+    "fmt,op,q8,num", DEFAULTS_ONLY, ids=[f"{f}-{o}{'-q8' if q else ''}-[{n}]" for f, o, q, n in DEFAULTS_ONLY]
+)
+def test_defaults_only_modules_and_their_twins(fmt, op, q8, num):
+    edge_checks(fmt, op, q8, num, config=DEFAULTS_ONLY_CONFIG)
 
 
 def edge_checks(fmt, op, q8, num, config=None):
