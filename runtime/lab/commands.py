@@ -29,13 +29,11 @@ def _with_changes(shapes: list, changes: list[tuple[str, object]]) -> tuple[list
         for field, value in changes:
             changed = replace(shape, **{field: value})
             fmt = get_format(shape.cache_format)
+            unscaled = fmt.scale in (ScaleCode.NONE, ScaleCode.TENSOR_F32)  # no per-block scale
             try:
                 if field == "numerics":
                     fmt.numerics_flags(value)
-                elif field == "lean_quant" and fmt.scale in (
-                    ScaleCode.NONE,
-                    ScaleCode.TENSOR_F32,
-                ):  # block scales
+                elif field == "lean_quant" and unscaled:
                     raise NumericsError(f"{fmt.name} has no per-block scale for lean_quant to compute")
             except NumericsError as exc:
                 skipped.append(f"{changed.label}: {str(exc).splitlines()[0]}")
@@ -92,6 +90,7 @@ def run_bench(args) -> int:
                 f"{c['unchecked_spread']:.1%})"
             )
     meta = {
+        "skipped": skipped,  # `--also` copies of shapes whose format lacks the change, with the reason
         "checked_mode": checked,
         "host_overhead": host,
         "host_overhead_end": host_end,
