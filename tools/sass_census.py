@@ -1,5 +1,5 @@
-"""SASS instructions per value of every writer of issue 26 (and the qkv op), with the lean_quant knob off
-and on, for sm_90a and sm_120a, and what they mean on the H200: a row's issue time (instructions at
+"""SASS instructions per value of every writer of issue 26 (and the qkv op), with the lean_quant knob off,
+on, and on with defaults_only (the parity choices folded away), for sm_90a and sm_120a, and what they mean on the H200: a row's issue time (instructions at
 4 warp instructions per SM clock) against its DRAM time (bytes at the H200's bandwidth per SM).
 Compiles on the CPU (no GPU); writes results/sass-instructions-cpu.json with the provenance.
 
@@ -43,6 +43,8 @@ WRITERS = [
 ]
 ARCHS = (("sm90", "sm_90a"), ("sm120", "sm_120a"))
 H200 = next(p for p in ARCH_SPECS["sm90"].parts if p.name == "H200")
+# (lean_quant, defaults_only) of each count: the default config, with lean_quant, and with both
+KNOBS = ((False, False), (True, False), (True, True))
 ISSUE_PER_CLOCK = 4  # warp instructions per SM clock: 4 schedulers, 1 each (NVIDIA H100 whitepaper, SM)
 
 
@@ -80,15 +82,15 @@ def census() -> list[dict]:
         for family, target in ARCHS:
             variant = f"{base}_{family}"
             default = parse_name(variant).arch.default_config
-            for lean in (False, True):
-                config = dataclasses.replace(default, lean_quant=lean)
+            for lean, only in KNOBS:
+                config = dataclasses.replace(default, lean_quant=lean, defaults_only=only)
                 c = sass.count(variant, config, target, row=row, compress=ratio != 1)
-                entry = {**c, "compress_ratio": ratio, "lean_quant": lean}
+                entry = {**c, "compress_ratio": ratio, "lean_quant": lean, "defaults_only": only}
                 if target == "sm_90a":
                     entry["h200"] = roofline(c)
                 out.append(entry)
                 print(
-                    f"{variant:36} {target} {row:2} r={ratio} lean={int(lean)}: {c['instructions']:4} per lane and "
+                    f"{variant:36} {target} {row:2} r={ratio} lean={int(lean)} d={int(only)}: {c['instructions']:4} per lane and "
                     f"pass, {c['per_value']:6.2f} per value",
                     flush=True,
                 )
@@ -112,32 +114,42 @@ def _label(variant: str, row: str, ratio: int, qkv_row: bool) -> str:
     return text
 
 
-def _pair(off, on, digits: int) -> str:
-    a, b = f"{off:.{digits}f}", f"{on:.{digits}f}"
-    return f"{a} (unchanged)" if a == b and digits == 2 else a if a == b else f"{a} -> {b}"
+def _chain(values, digits: int) -> str:
+    """ "a -> b -> c", or one value where all are equal ("(unchanged)" after counts)."""
+    texts = [f"{x:.{digits}f}" for x in values]
+    if len(set(texts)) == 1:
+        return f"{texts[0]} (unchanged)" if digits == 2 else texts[0]
+    return " -> ".join(texts)
 
 
 def census_table(doc: dict) -> str:
     """The census table and the sm_120a line of docs/performance.md, from a census file."""
     by = {
-        (w["variant"], w["target"], w["row"], w["compress_ratio"], w["lean_quant"]): w for w in doc["writers"]
+        (
+            w["variant"],
+            w["target"],
+            w["row"],
+            w["compress_ratio"],
+            w["lean_quant"],
+            w.get("defaults_only", False),
+        ): w
+        for w in doc["writers"]
     }
     lines = [
         "| writer | instructions per value | issue / DRAM time per row | allowed at DRAM speed |",
         "|---|---|---|---|",
     ]
     for base, row, ratio in WRITERS:
-        off, on = (by[(f"{base}_sm90", "sm_90a", row, ratio, lean)] for lean in (False, True))
+        counts = [by[(f"{base}_sm90", "sm_90a", row, ratio, *knobs)] for knobs in KNOBS]
         lines.append(
-            f"| {_label(off['variant'], row, ratio, base.startswith('qkv'))} | {_pair(off['per_value'], on['per_value'], 2)} "
-            f"| {_pair(off['h200']['issue_over_dram'], on['h200']['issue_over_dram'], 2).replace(' (unchanged)', '')} "
-            f"| {off['h200']['per_value_at_bandwidth']:.1f} |"
+            f"| {_label(counts[0]['variant'], row, ratio, base.startswith('qkv'))} "
+            f"| {_chain([c['per_value'] for c in counts], 2)} "
+            f"| {_chain([c['h200']['issue_over_dram'] for c in counts], 2).replace(' (unchanged)', '')} "
+            f"| {counts[0]['h200']['per_value_at_bandwidth']:.1f} |"
         )
     sm120 = [
         f"`{parse_name(base + '_sm120').cache_format}` "
-        + _pair(
-            *(by[(f"{base}_sm120", "sm_120a", row, ratio, lean)]["per_value"] for lean in (False, True)), 2
-        )
+        + _chain([by[(f"{base}_sm120", "sm_120a", row, ratio, *knobs)]["per_value"] for knobs in KNOBS], 2)
         for base, row, ratio in WRITERS
         if base.startswith("kv_d")
         and ratio == 1
