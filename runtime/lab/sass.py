@@ -296,7 +296,7 @@ def of_shape(shape, config: LaunchConfig | None = None) -> dict:
     rt = dispatch.default_runtime()
     v = rt.variant(shape.request)
     qkv = shape.op == "qkv"
-    cfg = config or rt.config(v, None, shape.n, shape.h if qkv else None, shape.p if qkv else None)
+    cfg = config or shape.launch_config()
     out = {"variant": v.name, "config": cfg.key}
     try:
         for row in ("q", "kv") if qkv else ("kv",):
