@@ -56,7 +56,8 @@ def build_keys(
     configs: Iterable[LaunchConfig] | None = None,
 ) -> list[tuple[Variant, KernelKey]]:
     """Every (variant, config, target) to compile: the given configs, or the arch default plus the
-    configs the tuning database names for that variant and target."""
+    configs the tuning database names for that variant and target. A given config whose row_split
+    the variant does not take (Variant.row_splits) is left out for that variant."""
     given = set(configs or ())
     tuned = tuned_configs() if not given else {}
     keys = []
@@ -64,7 +65,8 @@ def build_keys(
         for t in v.arch.targets:
             if t not in (DEFAULT_BUILD_TARGETS if targets is None else targets):
                 continue
-            chosen = (given or {v.arch.default_config}) | tuned.get((v.name, t), set())
+            chosen = {c for c in given if c.row_split in v.row_splits} if given else {v.arch.default_config}
+            chosen |= tuned.get((v.name, t), set())
             if v.format.numerics_choices():  # a defaults_only module's twin serves the calls with choices
                 chosen |= {replace(c, defaults_only=False) for c in chosen if c.defaults_only}
             for cfg in sorted(chosen, key=lambda c: c.key):

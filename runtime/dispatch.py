@@ -239,6 +239,11 @@ class Runtime:
         facts = self.device(device)
         v = self.variant(request, facts.index)
         defaults = numerics is None or numerics == v.format.numerics_flags()
+        if config is not None and config.row_split not in v.row_splits:
+            raise UnsupportedError(
+                f"config {config.key} splits a KV row over {config.row_split} warps; {v.name} takes "
+                f"row_split {v.row_splits} (only the plain KV writers of D >= 512 split a row)"
+            )
         configs = [
             config or self.config(v, facts.index, 1 << i, heads, written) for i in range(MAX_BUCKET_LOG2 + 1)
         ]

@@ -35,6 +35,10 @@ class LaunchConfig:
     # the defaults' constant, so the choices' branches fold away. The dispatcher binds such a module
     # only to calls whose `numerics` are the defaults (Runtime.launchers), and another module otherwise
     defaults_only: bool = False
+    # k > 1: each KV row is split over k warps (each holds 1/k of the row's vectors), so a row's
+    # instruction chain is k times shorter: the decode sizes, where few rows leave SMs idle, finish
+    # sooner. Only for modules whose rows need no whole-row reduction (row_split_applies)
+    row_split: int = 1
 
     def __post_init__(self):
         if self.warps_per_cta not in (1, 2, 4, 8, 16, 32):
@@ -45,6 +49,8 @@ class LaunchConfig:
             raise ValueError(f"ctas_per_sm must be in 0..64, got {self.ctas_per_sm}")
         if not 0 <= self.min_ctas_per_sm <= 32:
             raise ValueError(f"min_ctas_per_sm must be in 0..32, got {self.min_ctas_per_sm}")
+        if self.row_split not in (1, 2, 4):
+            raise ValueError(f"row_split must be 1, 2 or 4, got {self.row_split}")
 
     @property
     def persistent(self) -> bool:
@@ -69,12 +75,15 @@ class LaunchConfig:
             k += "_lq"
         if self.defaults_only:
             k += "_d"
+        if self.row_split > 1:
+            k += f"_r{self.row_split}"
         return k
 
     @classmethod
     def from_key(cls, key: str) -> LaunchConfig:
         m = re.fullmatch(
-            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?(_d)?", key
+            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?(_d)?(?:_r(\d+))?",
+            key,
         )
         if not m:
             close = difflib.get_close_matches(key, [c.key for c in all_configs()], n=1)
@@ -82,7 +91,7 @@ class LaunchConfig:
                 f"not a launch-config key: {key!r}"
                 + (f" (did you mean {close[0]}?)" if close else "")
                 + "; keys read w<warps per CTA>_u<passes per warp>_pdl<0|1>_nc<0|1>[_c<CTAs per SM>]"
-                "[_spread][_cs][_m<min CTAs per SM>][_s32][_lq][_d], e.g. w4_u1_pdl1_nc1_cs"
+                "[_spread][_cs][_m<min CTAs per SM>][_s32][_lq][_d][_r<warps per KV row>], e.g. w4_u1_pdl1_nc1_cs"
             )
         return cls(
             int(m.group(1)),
@@ -96,6 +105,7 @@ class LaunchConfig:
             bool(m.group(9)),
             bool(m.group(10)),
             bool(m.group(11)),
+            int(m.group(12) or 1),
         )
 
     def as_dict(self) -> dict:
@@ -109,7 +119,7 @@ class LaunchConfig:
 def all_configs() -> list[LaunchConfig]:
     """Every config the template supports (the tuner prunes from these; slot width is the caller's)."""
     return [
-        LaunchConfig(w, u, pdl, nc, c, spread, cs, m, lean_quant=lean, defaults_only=dflt)
+        LaunchConfig(w, u, pdl, nc, c, spread, cs, m, lean_quant=lean, defaults_only=dflt, row_split=k)
         for w in (1, 2, 4, 8, 16, 32)
         for u in (1, 2, 4)
         for pdl in (True, False)
@@ -120,4 +130,5 @@ def all_configs() -> list[LaunchConfig]:
         for m in (0, min(32, 48 // w))  # a register cap for 48 resident warps
         for lean in (False, True)
         for dflt in (False, True)
+        for k in (1, 2, 4)
     ]

@@ -27,9 +27,11 @@ from pathlib import Path
 from filelock import FileLock
 
 from . import env
+from .errors import UnsupportedError
 from .jit import compiler
 from .jit.trusted_fs import read_regular
 from .launch import LaunchConfig
+from .variants import parse_name
 
 ENV_DB = "ATTN_PROLOGUE_TUNING_DB"
 DB_FORMAT = 1
@@ -254,9 +256,12 @@ def entry_problem(e) -> str | None:
     if not _CAPABILITY.fullmatch(e["capability"]):
         return f"capability must look like 9.0, got {e['capability']!r}"
     try:
-        LaunchConfig.from_key(e["config"])
-    except ValueError as exc:
+        config = LaunchConfig.from_key(e["config"])
+        takes = parse_name(e["variant"]).row_splits if config.row_split > 1 else (1,)
+    except (ValueError, UnsupportedError) as exc:
         return str(exc)
+    if config.row_split not in takes:  # a module compiled with it would refuse the config
+        return f"{e['variant']} takes row_split {takes}, not {config.row_split}"
     return None
 
 

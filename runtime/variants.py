@@ -247,6 +247,16 @@ class Variant:
         names += ["numerics", "checked", "max_ctas"]
         return tuple(names)
 
+    @property
+    def row_splits(self) -> tuple[int, ...]:
+        """The LaunchConfig.row_split values this module takes: a KV row over k warps, each with 1/k
+        of the row's 128-bit vectors. Only the plain KV writer: its lanes reduce over a scale block
+        (inside a warp) and never over the row (an RMSNorm or a Q row would need the whole row)."""
+        vectors_per_lane = self.head_dim // 8 // 32  # a row over one warp: 128-bit vectors per lane
+        if self.op is not Op.KV or vectors_per_lane < 2:
+            return (1,)
+        return tuple(k for k in (1, 2, 4) if vectors_per_lane % k == 0)
+
     def __str__(self) -> str:
         return self.name
 

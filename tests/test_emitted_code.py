@@ -22,14 +22,16 @@ from .support.build import ENTRIES, ENTRY_IDS, REPO, meta_of, ptx_of
 
 
 # ---- PTX and cubin facts, per entry ----------------------------------------------------------------
-def _tail_slots(plan: dict) -> int:
-    return sum(1 for s in range(plan["slots"]) if (s + 1) * plan["lanes_per_row"] > plan["tail_vector"])
+def _tail_slots(plan: dict, split: int = 1) -> int:
+    lanes = plan["lanes_per_row"] * split  # a KV row over `split` warps (LaunchConfig.row_split)
+    return sum(1 for s in range(plan["slots"] // split) if (s + 1) * lanes > plan["tail_vector"])
 
 
-def expected_min_128bit_loads(v: Variant) -> int:
+def expected_min_128bit_loads(v: Variant, config: LaunchConfig | None = None) -> int:
     """Distinct 128-bit read-only loads of one pass of each kind: row vectors + cos and sin vectors."""
     plan = make_plan(v)
-    per_row = plan["slots"] + 2 * _tail_slots(plan)
+    split = config.row_split if config else 1
+    per_row = plan["slots"] // split + 2 * _tail_slots(plan, split)
     n = per_row  # kv
     if v.op is Op.KV_NORM:
         n += plan["slots"]  # norm weights
@@ -78,7 +80,7 @@ def test_global_accesses_are_128_bit(built, v, key):
     n_128 = sum(
         n for k, n in facts["global_access_bits"].items() if k.startswith("ld") and k.endswith(".128")
     )
-    assert n_128 >= expected_min_128bit_loads(v)
+    assert n_128 >= expected_min_128bit_loads(v, cfg)
     # stores: q_out rows and 128-bit pad zeros (streaming when configured), 8-value cache vectors, scale bytes / words
     stores = _widths(meta, "st") | _widths(meta, "st.cs")
     assert stores == expected_store_bits(v)
@@ -305,7 +307,9 @@ def test_token_offsets_are_64_bit(built, v, key):
     ptx = ptx_of(built, key)
     checked, problems = address_problems(ptx)
     # every row load and every cache/q_out store is token-indexed
-    assert checked >= expected_min_128bit_loads(v) - (make_plan(v)["slots"] if v.op is Op.KV_NORM else 0)
+    assert checked >= expected_min_128bit_loads(v, key.config) - (
+        make_plan(v)["slots"] if v.op is Op.KV_NORM else 0
+    )
     assert not problems, "\n".join(problems[:10])
     assert meta_of(built, key)["ptx"]["mul_wide_s64_or_64bit_mad"] > 0
 
@@ -364,7 +368,10 @@ def test_every_launch_knob_compiles_on_every_arch(tmp_path):
     for variant in KNOB_VARIANTS:
         target = parse_name(variant).arch.targets[0]
         ptxs = {}
-        for key in CONFIG_KEYS:
+        keys = [
+            k for k in CONFIG_KEYS if LaunchConfig.from_key(k).row_split in parse_name(variant).row_splits
+        ]
+        for key in keys:
             cfg = LaunchConfig.from_key(key)
             k = KernelKey(variant, cfg, target)
             meta = cache.read_meta(k)
@@ -377,11 +384,13 @@ def test_every_launch_knob_compiles_on_every_arch(tmp_path):
                 key,
             )
             ptxs[key] = ptx
-        assert len(set(ptxs.values())) == len(CONFIG_KEYS)  # every knob changes the code
+        assert len(set(ptxs.values())) == len(
+            keys
+        )  # every knob changes the code (row_split: tests/test_row_split.py)
         # lean_quant: the scale quotient amax / 448 by a reciprocal and a correction, not div.rn.f32
         divisions = {key: ptx.count("div.rn.f32") for key, ptx in ptxs.items()}
-        lean = [key for key in CONFIG_KEYS if LaunchConfig.from_key(key).lean_quant]
-        assert lean and all(divisions[k] < divisions[CONFIG_KEYS[0]] for k in lean), divisions
+        lean = [key for key in keys if LaunchConfig.from_key(key).lean_quant]
+        assert lean and all(divisions[k] < divisions[keys[0]] for k in lean), divisions
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t not in DEFAULT_BUILD_TARGETS])

@@ -100,6 +100,9 @@ def test_provenance_records_the_command_line_verbatim():
     assert p["device"] == (None if not torch.cuda.is_available() else provenance.device_facts())
     assert p["versions"]["torch"] == torch.__version__
     assert set(compiler.DSL_PACKAGES) | {"python", "cuda", "attn-prologue"} <= set(p["versions"])
+    db = p["tuning_database"]  # which database a result's dispatched configs came from, by its bytes
+    assert db["path"] == str(tuning.database_path()) and len(db["sha256"]) == 64
+    assert db["shipped"] == (tuning.database_path() == tuning.shipped_database_path())
     script = provenance.provenance(argv=["tests/gpu/run_suite.sh", "out dir/suite.json", "-k", "tune"])
     assert script["argv"] == ["tests/gpu/run_suite.sh", "out dir/suite.json", "-k", "tune"]
     assert script["command"] == "tests/gpu/run_suite.sh 'out dir/suite.json' -k tune"
@@ -135,8 +138,8 @@ def test_prune_drops_duplicates_and_invalid_configs_keeping_order():
     big = LaunchConfig(32, 1, True, True)  # 1024 threads: still valid
     assert tune.prune([a, b, a, big, b]) == [a, b, big]
     assert (
-        len(tune.prune(tune.DEFAULT_SPACE)) == len(tune.DEFAULT_SPACE) == 92
-    )  # 64 + 8 register-capped + 8 of them spread + 8 lean_quant + 4 of them defaults_only
+        len(tune.prune(tune.DEFAULT_SPACE)) == len(tune.DEFAULT_SPACE) == 100
+    )  # 64 + 8 register-capped + 8 of them spread + 8 lean_quant + 4 of them defaults_only + 8 row_split
 
 
 def test_tune_shapes_follow_the_variant():

@@ -23,6 +23,7 @@ LANES_PER_ROW = 32  # lanes sharing one row; vector j -> lane j % LANES_PER_ROW
 ROWS_PER_PASS = 1  # rows one warp handles at once
 SLOTS = 2  # 128-bit vectors per lane per row
 TAIL_VECTOR = 56  # first vector of the rotated dims [D - R, D)
+ROW_SPLITS = (1,)  # LaunchConfig.row_split values this module takes (a KV row over k warps)
 ROW_VECTORS = HEAD_DIM * 1 // 16  # 128-bit vectors in one q_out head row
 PAD_VECTORS_PER_LANE = 8  # a pad pass zeroes 32 * this many vectors of one token's pad heads
 
@@ -78,9 +79,8 @@ def e2m1_pack8(y, lean: bool, in_range: bool) -> Uint32:
 
 
 class Arguments(NamedTuple):
-    """`Kernel.__call__`'s run-time arguments, handed to the device code as one bundle. max_ctas
-    (a grid cap) is not read there but stays: without it the kernel's parameters shift and ptxas
-    allocates registers differently (2 more in some persistent configs)."""
+    """`Kernel.__call__`'s run-time arguments, as one bundle. max_ctas (a grid cap) is not read there but
+    stays: without it the parameters shift and ptxas allocates 2 more registers in some persistent configs."""
 
     q_in: cute.Tensor
     kv: cute.Tensor
@@ -120,7 +120,11 @@ class Kernel:
     pad heads [H, n_write_heads)."""
 
     def __init__(self, config):
+        if config.row_split not in ROW_SPLITS:
+            raise ValueError(f"row_split={config.row_split} does not apply to this module (it takes {ROW_SPLITS})")
         self.cfg = config
+        self.row_lanes = LANES_PER_ROW * config.row_split  # a KV row's lanes, over row_split warps: vector j -> lane j % row_lanes
+        self.slots = SLOTS // config.row_split  # 128-bit vectors per lane per KV row
 
     @cute.jit
     def __call__(
@@ -148,6 +152,7 @@ class Kernel:
         kv_passes = (slot_mapping.shape[0] + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
         kv_group = per_warp * warps if const_expr(self.cfg.spread_kv) else per_warp  # a warp (spread: a CTA) never mixes KV and Q
         kv_passes = (kv_passes + (kv_group - 1)) // kv_group * kv_group
+        kv_passes = kv_passes * self.cfg.row_split  # row_split warps take their parts of the same rows
         q_heads = q_in.shape[1]
         q_passes = (q_in.shape[0] * q_heads + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
         q_end = kv_passes + (q_passes + (per_warp - 1)) // per_warp * per_warp  # a warp never mixes Q and pad passes
@@ -222,11 +227,11 @@ class Kernel:
     def load_tail_cos_sin(self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32):
         """cos/sin of this lane's pairs in [D - R, D) (zeros elsewhere), issued as early as possible."""
         tables = []
-        for s in range_constexpr(SLOTS):
+        for s in range_constexpr(self.slots):
             cos = kl.zero_f32_vector(VEC // 2)
             sin = kl.zero_f32_vector(VEC // 2)
-            if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
-                j = s * LANES_PER_ROW + sub
+            if const_expr((s + 1) * self.row_lanes > TAIL_VECTOR):
+                j = s * self.row_lanes + sub
                 if ok & (j >= TAIL_VECTOR):
                     kl.load_cos_sin_into(cos, sin, kl.base_address(cos_sin_cache), position, (j - TAIL_VECTOR) * (VEC // 2), ROPE_DIM, self.cfg.non_coherent)
             tables.append((cos, sin))
@@ -236,9 +241,9 @@ class Kernel:
     def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos=False):
         """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set (`odd_cos`:
         RopeOrder.ODD_COS, a run-time Boolean on the KV path)."""
-        for s in range_constexpr(SLOTS):
-            if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
-                j = s * LANES_PER_ROW + sub
+        for s in range_constexpr(self.slots):
+            if const_expr((s + 1) * self.row_lanes > TAIL_VECTOR):
+                j = s * self.row_lanes + sub
                 if ok & (j >= TAIL_VECTOR):
                     kl.rope_rotate(ys[s], tables[s][0], tables[s][1], odd_cos)
 
@@ -246,9 +251,9 @@ class Kernel:
     def rotate_nope(self, ys, sub: Int32):
         """NopeRotation.IDENTITY: this lane's vectors in [0, D - R) through the rotation with cos = 1,
         sin = 0 (vLLM's V4.1 Triton writers): only signed zeros, NaN and Inf change."""
-        for s in range_constexpr(SLOTS):
-            if const_expr(s * LANES_PER_ROW < TAIL_VECTOR):
-                if s * LANES_PER_ROW + sub < TAIL_VECTOR:
+        for s in range_constexpr(self.slots):
+            if const_expr(s * self.row_lanes < TAIL_VECTOR):
+                if s * self.row_lanes + sub < TAIL_VECTOR:
                     kl.rope_identity(ys[s])
 
     @cute.jit
@@ -320,19 +325,24 @@ class Kernel:
         """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. All rows' loads
         are issued first (row, slot and position together, then cos/sin), then each row is finished."""
         sub = lane % LANES_PER_ROW
+        first_row = p * ROWS_PER_PASS + lane // LANES_PER_ROW
+        if const_expr(self.cfg.row_split > 1):  # this warp's unit does its part of passes_per_warp rows
+            unit = p // self.cfg.passes_per_warp
+            sub = unit % self.cfg.row_split * 32 + lane
+            first_row = unit // self.cfg.row_split * self.cfg.passes_per_warp
         rows = []
         for u in range_constexpr(self.cfg.passes_per_warp):
-            r = (p + u) * ROWS_PER_PASS + lane // LANES_PER_ROW
+            r = first_row + u * ROWS_PER_PASS
             valid = r < args.slot_mapping.shape[0]
             slot = Int64(-1)
             position = Int64(0)
             src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
-            frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
             if valid:
                 slot = Int64(args.slot_mapping[r])
                 position = Int64(args.positions[r])
-                for s in range_constexpr(SLOTS):
-                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+                for s in range_constexpr(self.slots):
+                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             ok = slot >= 0
             if args.checked != 0:
                 capacity = Int64(args.k_cache.shape[0]) * Int64(args.block_size)
@@ -345,20 +355,20 @@ class Kernel:
         for u in range_constexpr(self.cfg.passes_per_warp):
             slot, ok, frags, tables = rows[u]
             if cute.arch.vote_any_sync(ok):  # a warp whose rows are all skipped (DP padding, rows a compressed writer drops) has no work
-                ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
-                for s in range_constexpr(SLOTS):
+                ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(self.slots)]
+                for s in range_constexpr(self.slots):
                     ys[s].store(frags[s].load().to(Float32))
                 self.rotate_tail(ys, tables, ok, sub, (args.numerics & ROPE_ODD_COS) != 0)
                 if (args.numerics & NOPE_ROTATION) != 0:
                     self.rotate_nope(ys, sub)
                 if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype
-                    for s in range_constexpr(SLOTS):
+                    for s in range_constexpr(self.slots):
                         ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
                 if (args.numerics & FP4_EXACT_ZERO) != 0:  # Fp4Zero.EXACT: an exact -0.0 is quantized as +0.0
-                    for s in range_constexpr(SLOTS):
-                        if s * LANES_PER_ROW + sub < QUANT_VECTORS:  # (not the bf16 rope tail)
+                    for s in range_constexpr(self.slots):
+                        if s * self.row_lanes + sub < QUANT_VECTORS:  # (not the bf16 rope tail)
                             kl.add_zero(ys[s])
-                xr = [ys[s].load() for s in range(SLOTS)]
+                xr = [ys[s].load() for s in range(self.slots)]
                 block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
                 if slot > Int64(0x7FFFFFFF):
                     block = slot // Int64(args.block_size)
@@ -367,8 +377,8 @@ class Kernel:
                 data = page + o * DATA_BYTES
                 scales = page + Int64(args.block_size) * DATA_BYTES + o * SCALE_BYTES  # the block's footer
                 # per group: s = e4m3(amax / ELEMENT_MAX), codes e2m1(x * fl(1 / s), 0 where s is 0)
-                for s in range_constexpr(SLOTS):
-                    j = s * LANES_PER_ROW + sub
+                for s in range_constexpr(self.slots):
+                    j = s * self.row_lanes + sub
                     amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
                     quot = kl.amax_quotient(amax, ELEMENT_MAX, self.cfg.lean_quant)
                     byte, scale = kl.e4m3_round(quot)

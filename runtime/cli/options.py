@@ -105,14 +105,18 @@ def _variant_pattern(text: str) -> str:
 
 
 def _bench_change(text: str) -> tuple[str, object]:
-    """`bench --also`: lean_quant, defaults_only, or numerics=SPEC (SPEC is parsed by the format it meets)."""
+    """`bench --also`: lean_quant, defaults_only, row_split=K, or numerics=SPEC (SPEC is parsed by the
+    format it meets)."""
     if text in ("lean_quant", "defaults_only"):
         return (text, True)
     name, eq, spec = text.partition("=")
     if name == "numerics" and eq and spec:
         return ("numerics", spec)
+    if name == "row_split" and spec in ("2", "4"):
+        return ("row_split", int(spec))
     raise ValueError(
-        f"not a bench change: {text!r} (lean_quant, defaults_only, or numerics=SPEC such as numerics=preset=vllm)"
+        f"not a bench change: {text!r} (lean_quant, defaults_only, row_split=2 or 4, or numerics=SPEC such"
+        " as numerics=preset=vllm)"
     )
 
 

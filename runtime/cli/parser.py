@@ -91,8 +91,8 @@ def build_parser() -> o.Parser:
                    "NVFP4 records'; modes: the op modes V4.1 engines call; writers: every writer alone at T = 1, "
                    "64, 2048 and 8192, the compressed writers and interleaved Q)")  # fmt: skip
     s.add_argument("--also", action="append", type=o.bench_change, metavar="CHANGE",
-                   help="also time each shape with this change, right after it: lean_quant or defaults_only (the "
-                   "dispatched config with that LaunchConfig knob set), or numerics=SPEC (e.g. numerics=preset=vllm); "
+                   help="also time each shape with this change, right after it: lean_quant, defaults_only or "
+                   "row_split=K (the dispatched config with that LaunchConfig knob set), or numerics=SPEC (e.g. numerics=preset=vllm); "
                    "repeatable; a shape the change does not apply to is skipped and counted (default: none)")  # fmt: skip
     s.add_argument(
         "--max-tokens", type=o.count(1), help="skip shapes with more tokens than this (default: none)"

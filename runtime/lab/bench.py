@@ -52,6 +52,7 @@ class Shape:
     defaults_only: bool = (
         False  # ... with LaunchConfig.defaults_only set (a call with `numerics` gets its twin)
     )
+    row_split: int = 0  # k > 0: ... with LaunchConfig.row_split = k (0: the dispatched config's)
 
     @property
     def label(self) -> str:
@@ -66,6 +67,7 @@ class Shape:
                 (f" numerics={self.numerics}", self.numerics),
                 (" lean_quant", self.lean_quant),
                 (" defaults_only", self.defaults_only),
+                (f" row_split={self.row_split}", self.row_split),
             )
             if on
         )
@@ -81,7 +83,8 @@ class Shape:
         )  # fmt: skip
 
     def launch_config(self):
-        """The config the dispatcher picks for this shape's token count (lean_quant, defaults_only set if asked)."""
+        """The config the dispatcher picks for this shape's token count (lean_quant, defaults_only,
+        row_split set if asked)."""
         rt = dispatch.default_runtime()
         qkv = self.op == "qkv"
         written = (self.h if self.zero_once else self.p) if qkv else None
@@ -90,6 +93,7 @@ class Shape:
             cfg,
             lean_quant=cfg.lean_quant or self.lean_quant,
             defaults_only=cfg.defaults_only or self.defaults_only,
+            row_split=self.row_split or cfg.row_split,
         )
 
     def min_bytes(self) -> int:
@@ -268,7 +272,9 @@ def run_shape(
     """One shape's timings against the copy; count_sass: also the instructions per value of its module."""
     nsets = sets_for_cold_l2(shape)
     sets = input_sets(shape, nsets)
-    config = config or (shape.launch_config() if shape.lean_quant or shape.defaults_only else None)
+    config = config or (
+        shape.launch_config() if shape.lean_quant or shape.defaults_only or shape.row_split else None
+    )
     op = graph_time_us(op_fns(shape, sets, config=config), replays=replays, calls_per_graph=max(nsets, 20))
     copy = copy_time_us(shape.min_bytes(), nsets, replays, max(nsets, 20))
     res = Result(asdict(shape), shape.min_bytes(), op, copy)

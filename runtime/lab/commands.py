@@ -22,7 +22,8 @@ from .timing import l2_bytes
 
 def _with_changes(shapes: list, changes: list[tuple[str, object]]) -> tuple[list, list[str]]:
     """Each shape, then its copy under each `--also` change that applies to it (lean_quant: a format
-    that quantizes; numerics: one whose format accepts the choices); and the skipped ones' reasons."""
+    that quantizes; numerics: one whose format accepts the choices; row_split: a module that takes it);
+    and the skipped ones' reasons."""
     out, skipped = [], []
     for shape in shapes:
         out.append(shape)
@@ -35,7 +36,11 @@ def _with_changes(shapes: list, changes: list[tuple[str, object]]) -> tuple[list
                     fmt.numerics_flags(value)
                 elif field == "lean_quant" and unscaled:
                     raise NumericsError(f"{fmt.name} has no per-block scale for lean_quant to compute")
-            except NumericsError as exc:
+                elif field == "row_split":
+                    takes = dispatch.default_runtime().variant(shape.request).row_splits
+                    if value not in takes:
+                        raise ValueError(f"its module takes row_split {takes} (Variant.row_splits)")
+            except (NumericsError, ValueError) as exc:
                 skipped.append(f"{changed.label}: {str(exc).splitlines()[0]}")
                 continue
             out.append(changed)

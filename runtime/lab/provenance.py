@@ -5,6 +5,7 @@ number can be traced to what produced it without a note beside it."""
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -40,7 +41,21 @@ def provenance(argv: list[str] | None = None, device=None) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device_facts(device),
         "versions": versions(),
+        "tuning_database": tuning_database_facts(),
     }
+
+
+def tuning_database_facts() -> dict:
+    """The tuning database the dispatcher reads ($ATTN_PROLOGUE_TUNING_DB or the shipped one): its
+    path, whether it is the shipped one, and the sha256 of its bytes (None: no such file)."""
+    from .. import tuning
+
+    path = tuning.database_path()
+    try:
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        digest = None
+    return {"path": str(path), "shipped": Path(path) == tuning.shipped_database_path(), "sha256": digest}
 
 
 def git_state(directory: Path) -> dict:

@@ -50,6 +50,11 @@ DEFAULT_SPACE = (
         LaunchConfig(w, 1, True, True, streaming=True, lean_quant=True, defaults_only=True)
         for w in (2, 4, 8, 16)
     ]
+    + [  # a KV row over 2 warps (plain KV writers of D = 512 only: Variant.row_splits), for decode sizes
+        LaunchConfig(w, u, True, True, streaming=True, lean_quant=True, defaults_only=True, row_split=2)
+        for w in (2, 4, 8, 16)
+        for u in (1, 2)
+    ]
 )
 
 
@@ -118,7 +123,7 @@ def run(
     configs = prune(configs)
     sweep = Sweep()
     t0 = time.perf_counter()
-    work = [(v, c) for v in variants for c in configs]
+    work = [(v, c) for v in variants for c in configs if c.row_split in parse_name(v).row_splits]
     total = len(work) * len(buckets)
     done = 0
     ctx = multiprocessing.get_context("spawn")

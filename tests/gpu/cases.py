@@ -29,6 +29,7 @@ CONFIG_KEYS = [
     "w8_u1_pdl0_nc0_cs_m6",
     "w4_u1_pdl1_nc1_cs_lq",  # lean_quant: the leaner exact quantization arithmetic
     "w8_u1_pdl1_nc1_cs_d",  # defaults_only: the parity choices folded to the format defaults
+    "w4_u2_pdl1_nc1_cs_lq_d_r2",  # row_split: a KV row over 2 warps (only the modules that take it)
 ]
 CONFIG_VARIANTS = [
     "qkv_d512r64_fp8_ds_mla_bf16_sm90",

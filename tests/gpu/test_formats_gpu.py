@@ -129,6 +129,18 @@ def test_defaults_only_modules_and_their_twins(fmt, op, q8, num):
     edge_checks(fmt, op, q8, num, config=DEFAULTS_ONLY_CONFIG)
 
 
+# a KV row over 2 warps: the plain KV writers of D = 512 (Variant.row_splits), every parity choice
+ROW_SPLIT = [m for m in MATRIX if m[1] == "kv" and get_format(m[0]).head_dim == 512]
+ROW_SPLIT_CONFIG = LaunchConfig.from_key("w8_u1_pdl1_nc1_cs_r2")
+
+
+@pytest.mark.parametrize(
+    "fmt,op,q8,num", ROW_SPLIT, ids=[f"{f}-{o}{'-q8' if q else ''}-[{n}]" for f, o, q, n in ROW_SPLIT]
+)
+def test_row_split_parity_choices_and_edges(fmt, op, q8, num):
+    edge_checks(fmt, op, q8, num, config=ROW_SPLIT_CONFIG)
+
+
 def edge_checks(fmt, op, q8, num, config=None):
     f = get_format(fmt)
     d, r = f.head_dim, f.rope_dim

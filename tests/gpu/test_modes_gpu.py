@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attn_prologue import api, dispatch
+from attn_prologue.launch import LaunchConfig
 from attn_prologue.scratch import ScratchPool
 
 from .cases import Case, compare, describe_mismatch, make_inputs, run_kernel, run_reference
@@ -89,6 +90,31 @@ def test_compressed_cache_writer(fmt, ratio, slot_dtype):
             boundaries(ratio),
         )
     check(Case(n=1, block_size=64, seed=13, **base), boundaries(ratio))
+
+
+# a KV row over 2 warps (LaunchConfig.row_split), 2 rows per warp: 1 to 513 rows, so a grid's last
+# warps hold half a row group, negative and out-of-range slots counted once per row
+ROW_SPLIT = LaunchConfig.from_key("w4_u2_pdl1_nc1_cs_lq_r2")
+
+
+@pytest.mark.parametrize("fmt,ratio", COMPRESSED)
+def test_kv_writers_with_a_row_over_two_warps(fmt, ratio):
+    base = dict(op="kv", cache_format=fmt, compress_ratio=ratio)
+    for i, (n, bs) in enumerate(((1, 64), (7, 32), (150, 64), (513, 256))):
+        case = Case(n=n, block_size=bs, negative_every=6 if n > 6 else 0, page_align=512, seed=50 + i, **base)
+        check(case, boundaries(ratio), config=ROW_SPLIT)
+    case = Case(n=41, block_size=64, seed=55, **base)
+    x = make_inputs(case)
+    boundaries(ratio)(x)
+    x.slot_mapping[3] = x.k_cache.shape[0] * case.block_size  # out of range
+    x.positions[9] = x.cos_sin_cache.shape[0]
+    x.positions[10] = -1
+    err = dispatch.default_runtime().errors_buffer(x.kv.device)
+    err.zero_()
+    got, want = run_kernel(x, checked=True, config=ROW_SPLIT), run_reference(x)
+    torch.cuda.synchronize()
+    assert compare(got, want) == {k: 0 for k in compare(got, want)}, f"{case}: {describe_mismatch(got, want)}"
+    assert err[0].item() == 3
 
 
 @pytest.mark.parametrize("fmt", ["fp8_token", "mxfp4"])
