@@ -27,6 +27,7 @@ from attn_prologue.jit import compiler
 from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.jit.trusted_fs import write_private
 from attn_prologue.launch import LaunchConfig
+from attn_prologue.parity import NumericsError
 from attn_prologue.variants import CAPABILITIES, DEFAULT_BUILD_TARGETS, Variant
 
 from .variants import variant_space
@@ -54,10 +55,14 @@ def build_keys(
     variants: Iterable[Variant],
     targets: set[str] | None = None,
     configs: Iterable[LaunchConfig] | None = None,
+    numerics: Iterable[str] = (),
 ) -> list[tuple[Variant, KernelKey]]:
     """Every (variant, config, target) to compile: the given configs, or the arch default plus the
     configs the tuning database names for that variant and target. A given config whose row_split
-    the variant does not take (Variant.row_splits) is left out for that variant."""
+    the variant does not take (Variant.row_splits) is left out for that variant. numerics: parity-choice
+    spellings (e.g. "preset=vllm"); each defaults_only config is also compiled folded to each one's bits,
+    for the formats that accept it (the dispatcher binds those modules to calls with exactly those bits;
+    calls with other choices run the arch default config)."""
     given = set(configs or ())
     tuned = tuned_configs() if not given else {}
     keys = []
@@ -67,11 +72,24 @@ def build_keys(
                 continue
             chosen = {c for c in given if c.row_split in v.row_splits} if given else {v.arch.default_config}
             chosen |= tuned.get((v.name, t), set())
-            if v.format.numerics_choices():  # a defaults_only module's twin serves the calls with choices
-                chosen |= {replace(c, defaults_only=False) for c in chosen if c.defaults_only}
+            # calls with parity choices run the arch default (Runtime.serving_config), or these folded modules
+            folding = [c for c in chosen if c.defaults_only]
+            for bits in folded_bits(v.format, numerics):
+                chosen |= {replace(c, defaults_only=False, folded_numerics=bits) for c in folding}
             for cfg in sorted(chosen, key=lambda c: c.key):
                 keys.append((v, KernelKey(v.name, cfg, t)))
     return keys
+
+
+def folded_bits(fmt, numerics: Iterable[str]) -> set[int]:
+    """The `numerics` bits of each spelling this format accepts, other than its defaults'."""
+    out = set()
+    for spec in numerics:
+        try:
+            out.add(fmt.numerics_flags(spec))
+        except NumericsError:  # a preset or field this format lacks: nothing to fold for it
+            continue
+    return out - {fmt.numerics_flags()}
 
 
 def ninja_escape(path: str) -> str:
@@ -144,12 +162,13 @@ def run(
     targets: set[str] | None = None,
     variants: list[Variant] | None = None,
     configs: list[LaunchConfig] | None = None,
+    numerics: Iterable[str] = (),
     verbose: bool = False,
 ) -> dict:
     """Compile what is missing of (variants x targets x configs) with ninja; every entry is checked
     afterwards. An intact entry is never rebuilt, so a second `build` runs no compile at all."""
     variants = variants if variants is not None else variant_space()
-    keys = build_keys(variants, targets, configs)
+    keys = build_keys(variants, targets, configs, numerics)
     missing = [(v, k) for v, k in keys if cache.read_meta(k) is None]
     jobs = jobs or os.cpu_count() or 2
     t0 = time.perf_counter()

@@ -234,11 +234,10 @@ class Runtime:
     ) -> tuple[Launcher, ...]:
         """The launcher of every token-count bucket (index = bucket_index(n)); `config` forces one.
         slots32: compiled for int32 slot ids (the same tuned configs, the other slot width). numerics:
-        the calls' parity-choice bits (None: the format defaults'); a defaults_only config serves only
-        the defaults, so other bits get the same config compiled with every choice."""
+        the calls' parity-choice bits (None: the format defaults'); a config that folds other bits
+        serves them through another module (serving_config)."""
         facts = self.device(device)
         v = self.variant(request, facts.index)
-        defaults = numerics is None or numerics == v.format.numerics_flags()
         if config is not None and config.row_split not in v.row_splits:
             raise UnsupportedError(
                 f"config {config.key} splits a KV row over {config.row_split} warps; {v.name} takes "
@@ -247,12 +246,27 @@ class Runtime:
         configs = [
             config or self.config(v, facts.index, 1 << i, heads, written) for i in range(MAX_BUCKET_LOG2 + 1)
         ]
+        bits = v.format.numerics_flags() if numerics is None else numerics
         return tuple(
             self.launcher(
-                v, replace(c, slots32=slots32, defaults_only=c.defaults_only and defaults), facts.index
+                v, self.serving_config(v, replace(c, slots32=slots32), bits, facts.target), facts.index
             )
             for c in configs
         )
+
+    def serving_config(self, v: Variant, c: LaunchConfig, bits: int, target: str) -> LaunchConfig:
+        """The module of config c for calls with these `numerics` bits: c itself unless it folds other
+        bits (defaults_only, folded_numerics). Then the first that is built of: c folded to these bits
+        (`build --numerics SPEC` compiles it), c reading them at run time, the arch's default config
+        (every build compiles it) reading them at run time."""
+        folds = v.format.numerics_flags() if c.defaults_only else c.folded_numerics
+        if folds < 0 or folds == bits:
+            return c
+        twin = replace(c, defaults_only=False, folded_numerics=-1)
+        for choice in (replace(twin, folded_numerics=bits), twin):
+            if self.cache.has(KernelKey(v.name, choice, target)):
+                return choice
+        return replace(v.arch.default_config, slots32=c.slots32)
 
 
 def _index(device) -> int:

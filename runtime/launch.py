@@ -35,6 +35,10 @@ class LaunchConfig:
     # the defaults' constant, so the choices' branches fold away. The dispatcher binds such a module
     # only to calls whose `numerics` are the defaults (Runtime.launchers), and another module otherwise
     defaults_only: bool = False
+    # k >= 0: compiled for the parity choices whose `numerics` bits are k (e.g. an engine preset's), folded
+    # like defaults_only's. The dispatcher binds it, where it is built (`build --numerics SPEC`), to the
+    # calls with exactly those bits on a tuned defaults_only config; -1: the bits are read at run time
+    folded_numerics: int = -1
     # k > 1: each KV row is split over k warps (each holds 1/k of the row's vectors), so a row's
     # instruction chain is k times shorter: the decode sizes, where few rows leave SMs idle, finish
     # sooner. Only for modules whose rows need no whole-row reduction (row_split_applies)
@@ -49,6 +53,12 @@ class LaunchConfig:
             raise ValueError(f"ctas_per_sm must be in 0..64, got {self.ctas_per_sm}")
         if not 0 <= self.min_ctas_per_sm <= 32:
             raise ValueError(f"min_ctas_per_sm must be in 0..32, got {self.min_ctas_per_sm}")
+        if not -1 <= self.folded_numerics < 1 << 16:
+            raise ValueError(
+                f"folded_numerics must be -1 or numerics bits in 0..65535, got {self.folded_numerics}"
+            )
+        if self.defaults_only and self.folded_numerics >= 0:
+            raise ValueError("defaults_only and folded_numerics each fix the numerics: give one")
         if self.row_split not in (1, 2, 4):
             raise ValueError(f"row_split must be 1, 2 or 4, got {self.row_split}")
 
@@ -75,6 +85,8 @@ class LaunchConfig:
             k += "_lq"
         if self.defaults_only:
             k += "_d"
+        if self.folded_numerics >= 0:
+            k += f"_n{self.folded_numerics}"
         if self.row_split > 1:
             k += f"_r{self.row_split}"
         return k
@@ -82,7 +94,7 @@ class LaunchConfig:
     @classmethod
     def from_key(cls, key: str) -> LaunchConfig:
         m = re.fullmatch(
-            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?(_d)?(?:_r(\d+))?",
+            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?(_d)?(?:_n(\d+))?(?:_r(\d+))?",
             key,
         )
         if not m:
@@ -91,7 +103,7 @@ class LaunchConfig:
                 f"not a launch-config key: {key!r}"
                 + (f" (did you mean {close[0]}?)" if close else "")
                 + "; keys read w<warps per CTA>_u<passes per warp>_pdl<0|1>_nc<0|1>[_c<CTAs per SM>]"
-                "[_spread][_cs][_m<min CTAs per SM>][_s32][_lq][_d][_r<warps per KV row>], e.g. w4_u1_pdl1_nc1_cs"
+                "[_spread][_cs][_m<min CTAs per SM>][_s32][_lq][_d][_n<folded numerics bits>][_r<warps per KV row>], e.g. w4_u1_pdl1_nc1_cs"
             )
         return cls(
             int(m.group(1)),
@@ -105,7 +117,8 @@ class LaunchConfig:
             bool(m.group(9)),
             bool(m.group(10)),
             bool(m.group(11)),
-            int(m.group(12) or 1),
+            folded_numerics=int(m.group(12) if m.group(12) is not None else -1),
+            row_split=int(m.group(13) or 1),
         )
 
     def as_dict(self) -> dict:

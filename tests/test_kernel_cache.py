@@ -3,6 +3,7 @@ builders agree on one entry, and loading built entries compiles nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -201,3 +202,13 @@ def test_loading_built_entries_compiles_nothing(built):
     assert r["missing"] == "FileNotFoundError"
     assert r["cutlass"] == [], "the tvm_ffi loading path imported the DSL compiler"
     assert r["codegen_or_jinja"] == []
+
+
+@pytest.mark.slow
+def test_has_says_whether_an_entry_is_built_without_building_it(built, tmp_path):
+    cache = _copy_entry(built, CHEAP, tmp_path / "cache")
+    other = KernelKey(CHEAP.variant, dataclasses.replace(CHEAP.config, folded_numerics=0), CHEAP.target)
+    assert cache.has(CHEAP) and not cache.has(other)
+    assert KernelCache(tmp_path / "empty", prebuilt=[cache]).has(CHEAP)  # an installed prebuilt cache counts
+    CORRUPTIONS[next(iter(CORRUPTIONS))](cache.entry_dir(CHEAP))
+    assert not cache.has(CHEAP) and cache.compiles == 0

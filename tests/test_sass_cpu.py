@@ -158,3 +158,21 @@ def test_a_defaults_only_module_carries_no_parity_choice_code(variant):
     only = sass.count(variant, dataclasses.replace(default, defaults_only=True), v.arch.targets[0])
     assert only["instructions_every_choice"] == only["instructions"] < every["instructions"]
     assert only["classes"]["memory"] == every["classes"]["memory"]
+
+
+@pytest.mark.parametrize(
+    "variant, spec",
+    [("kv_d512r64_fp8_ds_mla_bf16_sm90", "preset=vllm"), (f"{NVFP4}_sm90", "preset=vllm-triton")],
+)
+def test_a_module_folded_to_a_preset_carries_no_run_time_choice_code(variant, spec):
+    """LaunchConfig.folded_numerics: the preset's bits as a constant. Its module, like a defaults_only
+    one, has no choice left to branch on, and runs fewer instructions than the module reading the same
+    bits at run time (the twin a call with the preset gets otherwise)."""
+    v = parse_name(variant)
+    default = v.arch.default_config
+    bits = v.format.numerics_flags(spec)
+    assert bits != v.format.numerics_flags()
+    twin = sass.count(variant, default, v.arch.targets[0])
+    folded = sass.count(variant, dataclasses.replace(default, folded_numerics=bits), v.arch.targets[0])
+    assert folded["instructions_every_choice"] == folded["instructions"] < twin["instructions_every_choice"]
+    assert folded["classes"]["memory"] == twin["classes"]["memory"]

@@ -107,12 +107,15 @@ def test_corrupt_database_is_reported_and_ignored(tmp_path, text):
 class RecordingCache:
     """A kernel cache that loads nothing: it records what the dispatcher asks for."""
 
-    def __init__(self, root):
-        self.root, self.keys = root, []
+    def __init__(self, root, built=()):
+        self.root, self.keys, self.built = root, [], set(built)
 
     def load(self, key):
         self.keys.append(key)
         return object()
+
+    def has(self, key):
+        return key in self.built
 
 
 def fake_device(name="NVIDIA H200", capability=(9, 0), sms=132):
@@ -152,30 +155,53 @@ def test_dispatcher_prefers_the_database_over_the_default(tmp_path):
     assert {la.config for la in other.launchers(req, 0, heads=64)} == {ArchFamily.SM90.default_config}
 
 
-def test_a_defaults_only_entry_serves_only_calls_with_the_defaults(tmp_path, monkeypatch):
+def test_a_defaults_only_entry_serves_only_calls_with_the_defaults(tmp_path):
     """A tuned defaults_only config (its module reads `numerics` as the defaults' constant) is bound for
-    calls with the format's default bits; a call with any parity choice gets the same config without
-    it, and the build compiles that twin too."""
+    calls with the format's default bits. A call with other bits gets the first built of: the config
+    folded to its bits (`build --numerics`), the config reading them, the arch default config."""
     from attn_prologue.codegen import build
+    from attn_prologue.jit.kernel_cache import KernelKey
     from attn_prologue.variants import parse_name
 
     env = tuning.environment_for("NVIDIA H200", 132, (9, 0))
-    name, key = "kv_d512r64_mxfp8_bf16_sm90", "w8_u1_pdl1_nc1_cs_lq_d"
-    db = tuning.TuningDatabase([{**env.as_dict(), "variant": name, "bucket": 2048, "config": key, "us": 1.0}])
-    cache = RecordingCache(tmp_path)
-    rt = dispatch.Runtime(cache=cache, tuning_db=db.save(tmp_path / "db.json"), device_facts=fake_device())
-    req = Request(Op.KV, 512, 64, "mxfp8", IoDtype.BF16)
-    i = dispatch.bucket_index(2048)
+    name, key = "kv_d512r64_fp8_ds_mla_bf16_sm90", "w8_u1_pdl1_nc1_cs_lq_d"
     fmt = parse_name(name).format
+    vllm, flashmla = fmt.numerics_flags("preset=vllm"), fmt.numerics_flags("preset=flashmla")
+    folded = LaunchConfig.from_key(f"w8_u1_pdl1_nc1_cs_lq_n{vllm}")
+    twin = LaunchConfig.from_key(key[:-2])
+    db = tuning.TuningDatabase([{**env.as_dict(), "variant": name, "bucket": 2048, "config": key, "us": 1.0}])
+    req, i = Request(Op.KV, 512, 64, "fp8_ds_mla", IoDtype.BF16), dispatch.bucket_index(2048)
+
+    def runtime(*built):
+        cache = RecordingCache(tmp_path, built=[KernelKey(name, c, "sm_90a") for c in built])
+        return dispatch.Runtime(
+            cache=cache, tuning_db=db.save(tmp_path / "db.json"), device_facts=fake_device()
+        )
+
+    rt = runtime(folded)
     for bits in (None, fmt.numerics_flags()):
         assert rt.launchers(req, 0, numerics=bits)[i].config.key == key
-    vllm = fmt.numerics_flags("preset=vllm")
-    assert vllm != fmt.numerics_flags() and rt.launchers(req, 0, numerics=vllm)[i].config.key == key[:-2]
+    assert rt.launchers(req, 0, numerics=vllm)[i].config == folded
+    assert (
+        rt.launchers(req, 0, numerics=flashmla)[i].config == ArchFamily.SM90.default_config
+    )  # neither built
+    assert runtime(twin).launchers(req, 0, numerics=flashmla)[i].config == twin
+    assert (
+        rt.launchers(req, 0, config=folded, numerics=vllm)[0].config == folded
+    )  # forced, folding these bits
     forced = LaunchConfig.from_key("w16_u1_pdl1_nc1_d")  # a forced config is treated alike
-    assert {la.config.key for la in rt.launchers(req, 0, config=forced, numerics=vllm)} == {"w16_u1_pdl1_nc1"}
-    # the build: the twin of a tuned defaults_only config, for a format that has parity choices
-    monkeypatch.setattr(build, "tuned_configs", lambda: {(name, "sm_90a"): {LaunchConfig.from_key(key)}})
-    assert {key, key[:-2]} <= {k.config.key for _, k in build.build_keys([parse_name(name)], {"sm_90a"})}
+    assert {la.config for la in rt.launchers(req, 0, config=forced, numerics=vllm)} == {
+        ArchFamily.SM90.default_config
+    }
+    # the build compiles folded modules for the spellings asked for; one the format lacks folds nothing
+    keys = build.build_keys(
+        [parse_name(name)], {"sm_90a"}, [LaunchConfig.from_key(key)], ["preset=vllm", "preset=sglang"]
+    )
+    assert sorted(k.config.key for _, k in keys) == sorted([key, folded.key])
+    assert [
+        k.config.key
+        for _, k in build.build_keys([parse_name(name)], {"sm_90a"}, [LaunchConfig.from_key(key)])
+    ] == [key]
 
 
 def test_shipped_database_loads_and_names_valid_configs():

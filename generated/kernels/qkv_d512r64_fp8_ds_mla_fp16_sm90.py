@@ -162,6 +162,8 @@ class Kernel:
     def kernel(self, args: Arguments, schedule: Schedule):
         if const_expr(self.cfg.defaults_only):  # a constant: the parity choices' branches fold away
             args = args._replace(numerics=Int32(DEFAULT_NUMERICS))
+        elif const_expr(self.cfg.folded_numerics >= 0):  # another constant (an engine preset's bits)
+            args = args._replace(numerics=Int32(self.cfg.folded_numerics))
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         if const_expr(self.cfg.pdl):

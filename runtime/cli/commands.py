@@ -116,6 +116,12 @@ def cmd_build(args) -> int:
         print(report)
         return 1
     variants = [v for v in variant_space() if matches(v.name, args.variants)]
+    for spec in args.numerics or ():
+        if not any(build.folded_bits(f, [spec]) for f in {v.format for v in variants}):
+            print(
+                f"build --numerics {spec!r}: no format of these variants takes it (or it is their defaults)"
+            )
+            return 2
     cache = _cache(args)
     print(f"build: {len(variants)} variants -> {cache.root}")
     r = build.run(
@@ -124,6 +130,7 @@ def cmd_build(args) -> int:
         targets=args.targets,
         variants=variants,
         configs=args.config,
+        numerics=args.numerics or (),
         verbose=args.verbose,
     )
     print()

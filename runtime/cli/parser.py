@@ -81,6 +81,10 @@ def build_parser() -> o.Parser:
     s.add_argument("--config", type=o.config_keys,
                    help="comma-separated launch config keys, e.g. w4_u1_pdl1_nc1_cs (default: each arch's default "
                    "and the tuned ones)")  # fmt: skip
+    s.add_argument("--numerics", action="append", metavar="SPEC",
+                   help="also compile each defaults_only config folded to these parity choices (e.g. preset=vllm; "
+                   "repeatable), for the formats that accept them: calls with exactly those choices then run "
+                   "as fast as the defaults (default: none; they read the choices at run time)")  # fmt: skip
     s.add_argument("--report", help=f"write every entry's metadata as JSON here {NOT_WRITTEN}")
     s.add_argument("--verbose", "-v", action="store_true", help="show every compile command ninja runs")
 

@@ -337,6 +337,18 @@ class KernelCache:
             self._loaded[key] = fn
             return fn
 
+    def has(self, key: KernelKey) -> bool:
+        """Is key's kernel loaded, built in this cache or in an installed prebuilt one? (Builds nothing.)"""
+        if key in self._loaded or self.read_meta(key) is not None:
+            return True
+        for shipped in list(self.prebuilt):
+            try:
+                if shipped.read_meta(key) is not None:
+                    return True
+            except UntrustedCacheError:
+                continue  # load() skips it with its warning
+        return False
+
     def _read_prebuilt(self, key: KernelKey) -> tuple[dict | None, bytes | None]:
         for shipped in list(self.prebuilt):
             try:

@@ -83,18 +83,22 @@ class Shape:
         )  # fmt: skip
 
     def launch_config(self):
-        """The config the dispatcher picks for this shape's token count (lean_quant, defaults_only,
-        row_split set if asked)."""
+        """The config the dispatcher runs for this shape's token count and numerics (lean_quant,
+        defaults_only, row_split set if asked)."""
         rt = dispatch.default_runtime()
         qkv = self.op == "qkv"
         written = (self.h if self.zero_once else self.p) if qkv else None
-        cfg = rt.config(rt.variant(self.request), None, self.n, self.h if qkv else None, written)
-        return replace(
+        v = rt.variant(self.request)
+        cfg = rt.config(v, None, self.n, self.h if qkv else None, written)
+        cfg = replace(
             cfg,
             lean_quant=cfg.lean_quant or self.lean_quant,
             defaults_only=cfg.defaults_only or self.defaults_only,
             row_split=self.row_split or cfg.row_split,
         )
+        if self.numerics:  # the module a call with these choices runs (folded to them, or reading them)
+            cfg = rt.serving_config(v, cfg, v.format.numerics_flags(self.numerics), rt.device(None).target)
+        return cfg
 
     def min_bytes(self) -> int:
         """The bytes the call must move: slot and position of every row; KV row, cos/sin and record

@@ -129,6 +129,18 @@ def test_defaults_only_modules_and_their_twins(fmt, op, q8, num):
     edge_checks(fmt, op, q8, num, config=DEFAULTS_ONLY_CONFIG)
 
 
+# a module folded to an engine preset's bits (LaunchConfig.folded_numerics, `build --numerics`)
+FOLDED = [m for m in MATRIX if m[3].startswith("preset=")]
+
+
+@pytest.mark.parametrize(
+    "fmt,op,q8,num", FOLDED, ids=[f"{f}-{o}{'-q8' if q else ''}-[{n}]" for f, o, q, n in FOLDED]
+)
+def test_modules_folded_to_each_preset(fmt, op, q8, num):
+    bits = get_format(fmt).numerics_flags(num)
+    edge_checks(fmt, op, q8, num, config=LaunchConfig.from_key(f"w4_u1_pdl1_nc1_cs_lq_n{bits}"))
+
+
 # a KV row over 2 warps: the plain KV writers of D = 512 (Variant.row_splits), every parity choice
 ROW_SPLIT = [m for m in MATRIX if m[1] == "kv" and get_format(m[0]).head_dim == 512]
 ROW_SPLIT_CONFIG = LaunchConfig.from_key("w8_u1_pdl1_nc1_cs_r2")
