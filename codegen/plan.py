@@ -16,6 +16,9 @@ VEC = 8
 WARP = 32
 TOKENS = "tokens"  # name of the shared symbolic token count in the generated fake_arguments()
 PAD_VECTORS_PER_LANE = 8  # pad heads are zeroed 4 KB per warp pass (32 lanes x 8 x 16 bytes)
+# lanes per Q row in the chunk-interleaved layout: a warp's 4 rows (adjacent heads of one token) put
+# their 32-byte pieces of each 16-dim chunk side by side, so a store covers 128-byte runs as head-major's do
+INTERLEAVED_Q_LANES = 8
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,12 @@ def make_plan(v: Variant) -> dict:
         encoder = "block_scaled"
     sig = signature(v)
     choices = f.numerics_choices()
+    q_lanes = min(lanes, INTERLEAVED_Q_LANES) if v.q_layout is QLayout.INTERLEAVED else lanes
     return {
         "lanes_per_row": lanes,
+        "q_lanes_per_row": q_lanes,
+        "q_rows_per_pass": WARP // q_lanes,
+        "q_slots": d // (VEC * q_lanes),
         "rows_per_pass": WARP // lanes,
         "slots": d // (VEC * lanes),
         "tail_vector": (d - r) // VEC,

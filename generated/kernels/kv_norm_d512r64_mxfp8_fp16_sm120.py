@@ -185,26 +185,27 @@ class Kernel:
             self.kv_pass(p, lane, args)
 
     @cute.jit
-    def load_tail_cos_sin(self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32):
-        """cos/sin of this lane's pairs in [D - R, D) (zeros elsewhere), issued as early as possible."""
+    def load_tail_cos_sin(self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32, slots: int, lanes: int):
+        """cos/sin of this lane's pairs in [D - R, D) (zeros elsewhere), issued as early as possible;
+        its row's vector j is on lane j % lanes, slot j // lanes (of `slots`)."""
         tables = []
-        for s in range_constexpr(self.slots):
+        for s in range_constexpr(slots):
             cos = kl.zero_f32_vector(VEC // 2)
             sin = kl.zero_f32_vector(VEC // 2)
-            if const_expr((s + 1) * self.row_lanes > TAIL_VECTOR):
-                j = s * self.row_lanes + sub
+            if const_expr((s + 1) * lanes > TAIL_VECTOR):
+                j = s * lanes + sub
                 if ok & (j >= TAIL_VECTOR):
                     kl.load_cos_sin_into(cos, sin, kl.base_address(cos_sin_cache), position, (j - TAIL_VECTOR) * (VEC // 2), ROPE_DIM, self.cfg.non_coherent)
             tables.append((cos, sin))
         return tables
 
     @cute.jit
-    def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos=False):
+    def rotate_tail(self, ys, tables, ok, sub: Int32, slots: int, lanes: int, odd_cos=False):
         """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set (`odd_cos`:
         RopeOrder.ODD_COS, a run-time Boolean on the KV path)."""
-        for s in range_constexpr(self.slots):
-            if const_expr((s + 1) * self.row_lanes > TAIL_VECTOR):
-                j = s * self.row_lanes + sub
+        for s in range_constexpr(slots):
+            if const_expr((s + 1) * lanes > TAIL_VECTOR):
+                j = s * lanes + sub
                 if ok & (j >= TAIL_VECTOR):
                     kl.rope_rotate(ys[s], tables[s][0], tables[s][1], odd_cos)
 
@@ -258,7 +259,7 @@ class Kernel:
                 p32 = Int32(position)  # positions < 2^31 (in range: checked mode skips the others)
                 ok = ok & ((p32 + 1) % args.compress_ratio == 0)
                 position = Int64(p32 // args.compress_ratio * args.compress_ratio)
-            tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub)
+            tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
             rows.append((slot, ok, frags, tables))
         weights = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
         for s in range_constexpr(self.slots):
@@ -272,7 +273,7 @@ class Kernel:
                 rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, args.eps)
                 for s in range_constexpr(self.slots):
                     ys[s].store(((xs[s] * rinv) * weights[s].load().to(Float32)).to(IO_DTYPE).to(Float32))
-                self.rotate_tail(ys, tables, ok, sub, (args.numerics & ROPE_ODD_COS) != 0)
+                self.rotate_tail(ys, tables, ok, sub, self.slots, self.row_lanes, (args.numerics & ROPE_ODD_COS) != 0)
                 if (args.numerics & NOPE_ROTATION) != 0:
                     self.rotate_nope(ys, sub)
                 if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype

@@ -24,6 +24,9 @@ ROWS_PER_PASS = 1  # rows one warp handles at once
 SLOTS = 2  # 128-bit vectors per lane per row
 TAIL_VECTOR = 56  # first vector of the rotated dims [D - R, D)
 ROW_SPLITS = (1,)  # LaunchConfig.row_split values this module takes (a KV row over k warps)
+Q_LANES_PER_ROW = 32  # a Q row's lanes
+Q_ROWS_PER_PASS = 1
+Q_SLOTS = 2
 ROW_VECTORS = HEAD_DIM * 2 // 16  # 128-bit vectors in one q_out head row
 PAD_VECTORS_PER_LANE = 8  # a pad pass zeroes 32 * this many vectors of one token's pad heads
 
@@ -140,7 +143,7 @@ class Kernel:
         kv_passes = (kv_passes + (kv_group - 1)) // kv_group * kv_group
         kv_passes = kv_passes * self.cfg.row_split  # row_split warps take their parts of the same rows
         q_heads = q_in.shape[1]
-        q_passes = (q_in.shape[0] * q_heads + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
+        q_passes = (q_in.shape[0] * q_heads + (Q_ROWS_PER_PASS - 1)) // Q_ROWS_PER_PASS
         q_end = kv_passes + (q_passes + (per_warp - 1)) // per_warp * per_warp  # a warp never mixes Q and pad passes
         pad_vectors = cutlass.max(n_write_heads - q_heads, 0) * ROW_VECTORS  # per token
         pad_chunks = (pad_vectors + (32 * PAD_VECTORS_PER_LANE - 1)) // (32 * PAD_VECTORS_PER_LANE)
@@ -212,26 +215,27 @@ class Kernel:
             self.pad_pass(p - schedule.q_end, lane, args, schedule)
 
     @cute.jit
-    def load_tail_cos_sin(self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32):
-        """cos/sin of this lane's pairs in [D - R, D) (zeros elsewhere), issued as early as possible."""
+    def load_tail_cos_sin(self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32, slots: int, lanes: int):
+        """cos/sin of this lane's pairs in [D - R, D) (zeros elsewhere), issued as early as possible;
+        its row's vector j is on lane j % lanes, slot j // lanes (of `slots`)."""
         tables = []
-        for s in range_constexpr(self.slots):
+        for s in range_constexpr(slots):
             cos = kl.zero_f32_vector(VEC // 2)
             sin = kl.zero_f32_vector(VEC // 2)
-            if const_expr((s + 1) * self.row_lanes > TAIL_VECTOR):
-                j = s * self.row_lanes + sub
+            if const_expr((s + 1) * lanes > TAIL_VECTOR):
+                j = s * lanes + sub
                 if ok & (j >= TAIL_VECTOR):
                     kl.load_cos_sin_into(cos, sin, kl.base_address(cos_sin_cache), position, (j - TAIL_VECTOR) * (VEC // 2), ROPE_DIM, self.cfg.non_coherent)
             tables.append((cos, sin))
         return tables
 
     @cute.jit
-    def rotate_tail(self, ys, tables, ok, sub: Int32, odd_cos=False):
+    def rotate_tail(self, ys, tables, ok, sub: Int32, slots: int, lanes: int, odd_cos=False):
         """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set (`odd_cos`:
         RopeOrder.ODD_COS, a run-time Boolean on the KV path)."""
-        for s in range_constexpr(self.slots):
-            if const_expr((s + 1) * self.row_lanes > TAIL_VECTOR):
-                j = s * self.row_lanes + sub
+        for s in range_constexpr(slots):
+            if const_expr((s + 1) * lanes > TAIL_VECTOR):
+                j = s * lanes + sub
                 if ok & (j >= TAIL_VECTOR):
                     kl.rope_rotate(ys[s], tables[s][0], tables[s][1], odd_cos)
 
@@ -249,10 +253,10 @@ class Kernel:
         """Rows are the (token, head) pairs of q_in (q_heads = H), head-minor. A row whose position is out of
         range in checked mode is written as zeros. All rows' loads are issued first (position and
         row, then cos/sin), then each row is finished."""
-        sub = lane % LANES_PER_ROW
+        sub = lane % Q_LANES_PER_ROW
         rows = []
         for u in range_constexpr(self.cfg.passes_per_warp):
-            r = (p + u) * ROWS_PER_PASS + lane // LANES_PER_ROW
+            r = (p + u) * Q_ROWS_PER_PASS + lane // Q_LANES_PER_ROW
             t = r // q_heads
             h = r - t * q_heads
             valid = t < args.q_in.shape[0]
@@ -261,32 +265,33 @@ class Kernel:
             if valid:
                 position = Int64(args.positions[t])
             src = kl.base_address(args.q_in) + (Int64(t) * args.q_in.stride[0] + Int64(h) * HEAD_DIM) * 2
-            frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(Q_SLOTS)]
             if live:
-                for s in range_constexpr(SLOTS):
-                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+                for s in range_constexpr(Q_SLOTS):
+                    kl.load_vector_into(frags[s], src, Int64((s * Q_LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             if args.checked != 0:
                 bad = valid & ((position < 0) | (position >= args.cos_sin_cache.shape[0]))
                 if bad & (h == 0) & (sub == 0):
                     cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(4), Int32, 4), Int32(1))
                 live = live & cutlass.not_(bad)
-            tables = self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub)
+            tables = self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub, Q_SLOTS, Q_LANES_PER_ROW)
             rows.append((t, h, valid, live, frags, tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
             t, h, valid, live, frags, tables = rows[u]
             xs = [f.load().to(Float32) for f in frags]
-            ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
-            for s in range_constexpr(SLOTS):
+            ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(Q_SLOTS)]
+            for s in range_constexpr(Q_SLOTS):
                 ys[s].store(xs[s])
             if (args.q_flags & NO_NORM) == 0:
-                rinv = kl.rms_inverse(kl.sum_of_squares(xs, LANES_PER_ROW), HEAD_DIM, args.eps)
-                for s in range_constexpr(SLOTS):
+                # summed in the order of LANES_PER_ROW lanes, whatever the lanes holding the row
+                rinv = kl.rms_inverse(kl.sum_of_squares(xs, Q_LANES_PER_ROW, LANES_PER_ROW), HEAD_DIM, args.eps)
+                for s in range_constexpr(Q_SLOTS):
                     ys[s].store(xs[s] * rinv)
-            self.rotate_tail(ys, tables, live & ((args.q_flags & NO_ROPE) == 0), sub)
+            self.rotate_tail(ys, tables, live & ((args.q_flags & NO_ROPE) == 0), sub, Q_SLOTS, Q_LANES_PER_ROW)
             dst = kl.base_address(args.q_out) + (Int64(t) * args.q_out.stride[0] + Int64(h) * HEAD_DIM) * 2
             if valid:
-                for s in range_constexpr(SLOTS):
-                    offset = Int64((s * LANES_PER_ROW + sub) * VEC * 2)
+                for s in range_constexpr(Q_SLOTS):
+                    offset = Int64((s * Q_LANES_PER_ROW + sub) * VEC * 2)
                     out = kl.register_vector(ys[s].load(), IO_DTYPE)
                     if not live:
                         out.fill(0)
@@ -338,7 +343,7 @@ class Kernel:
                 if bad & (sub == 0):
                     cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(0), Int32, 4), Int32(1))
                 ok = ok & cutlass.not_(bad)
-            tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub)
+            tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
             rows.append((slot, ok, frags, tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
             slot, ok, frags, tables = rows[u]
@@ -346,7 +351,7 @@ class Kernel:
                 ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(self.slots)]
                 for s in range_constexpr(self.slots):
                     ys[s].store(frags[s].load().to(Float32))
-                self.rotate_tail(ys, tables, ok, sub, (args.numerics & ROPE_ODD_COS) != 0)
+                self.rotate_tail(ys, tables, ok, sub, self.slots, self.row_lanes, (args.numerics & ROPE_ODD_COS) != 0)
                 if (args.numerics & NOPE_ROTATION) != 0:
                     self.rotate_nope(ys, sub)
                 if (args.numerics & FP32_ROTATED_ROW) == 0:  # the default: round through the I/O dtype

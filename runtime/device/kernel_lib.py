@@ -140,14 +140,26 @@ def butterfly_max(value: Float32, lanes: int) -> Float32:
     return value
 
 
-def sum_of_squares(rows, lanes: int) -> Float32:
+def sum_of_squares(rows, lanes: int, order_lanes: int = 0) -> Float32:
     """sum(x^2) of one row: a fused multiply-add chain over this lane's values in slot order,
-    then a butterfly over the row's lanes (the reference's order="kernel" replays this)."""
-    acc = Float32(0.0)
-    for x in rows:
+    then a butterfly over the row's lanes (the reference's order="kernel" replays this).
+
+    order_lanes > lanes: the same float32 operations as if the row were spread over order_lanes lanes
+    (vector j on lane j % order_lanes), for a row held by fewer (vector j on lane j % lanes, slot
+    j // lanes): this lane holds virtual lanes m * lanes + sub, m < order_lanes / lanes, each its own
+    chain (slots m, m + k, m + 2k, ...); the butterfly's offsets below `lanes` are shuffles, the rest
+    sums of this lane's virtual lanes (addition commutes exactly, so the pairs give the same bits)."""
+    k = max(order_lanes // lanes, 1)
+    accs = [Float32(0.0) for _ in range(k)]
+    for s, x in enumerate(rows):
         for i in range(VEC):
-            acc = cute.math.fma(x[i], x[i], acc)
-    return butterfly_sum(acc, lanes)
+            accs[s % k] = cute.math.fma(x[i], x[i], accs[s % k])
+    accs = [butterfly_sum(a, lanes) for a in accs]
+    step = 1
+    while step < k:  # xor offsets lanes, 2 * lanes, ...: virtual lane m pairs with m ^ step
+        accs = [accs[m] + accs[m ^ step] for m in range(k)]
+        step *= 2
+    return accs[0]
 
 
 def rms_inverse(sum_sq: Float32, head_dim: int, eps: Float32) -> Float32:

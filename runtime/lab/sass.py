@@ -261,7 +261,8 @@ def count(
     hot = [i for b in reachable(blocks, region, compress) for i in blocks[b].instrs]
     every_choice = sum(len(blocks[b].instrs) for b in reachable(blocks, region, compress, choices=True))
     mod = compiler.load_module(variant)
-    values = mod.HEAD_DIM // mod.LANES_PER_ROW
+    lanes = mod.Q_LANES_PER_ROW if row == "q" else mod.LANES_PER_ROW * config.row_split  # a row's lanes
+    values = mod.HEAD_DIM // lanes
     main = [i for i in instrs if i.function == "main"]
     calls = Counter(
         _TARGET.search(i.operands)[1].split("$__")[-1]

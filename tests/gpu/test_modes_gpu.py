@@ -56,13 +56,23 @@ def test_q_modes(fmt, q8, norm, rope, slot_dtype):
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "mxfp8"])
 @pytest.mark.parametrize("q8", [False, True])
-@pytest.mark.parametrize("hp", [(8, 64), (64, 64), (16, 128), (128, 128)])
+@pytest.mark.parametrize("hp", [(8, 64), (64, 64), (16, 128), (128, 128), (6, 16)])  # 6: a pass spans tokens
 def test_interleaved_q_layout(fmt, q8, hp):
     h, p = hp
     for norm, rope in ((True, True), (False, True), (False, False)):
         base = dict(cache_format=fmt, q_fp8=q8, q_layout="interleaved", apply_q_norm=norm, apply_q_rope=rope)
         check(Case(n=1, h=h, p=p, seed=3, **base))
         check(Case(n=97, h=h, p=p, m=50, negative_every=4, block_size=256, seed=4, **base))
+
+
+@pytest.mark.parametrize("key", ["w4_u2_pdl1_nc1_cs", "w8_u1_pdl0_nc0_c4", "w2_u4_pdl1_nc1_spread"])
+def test_interleaved_q_rows_under_other_launch_configs(key):
+    """A chunk-interleaved Q row is on 8 lanes (4 rows a pass), its norm summed in the 32-lane order."""
+    for n, h, p in ((1, 8, 64), (513, 6, 16), (200, 64, 64)):
+        check(
+            Case(n=n, h=h, p=p, m=n - n // 3, negative_every=5, q_layout="interleaved", seed=n + h),
+            config=LaunchConfig.from_key(key),
+        )
 
 
 def test_interleaved_zero_once_leaves_pads_alone():
