@@ -8,10 +8,13 @@
 set -euo pipefail
 argv=("$0" "$@")  # this script's command line, for the result file
 result=${1:-gpu-suite.json}; shift || true
-target=$(python3 -c "import torch; from attn_prologue.variants import arch_for_capability; print(arch_for_capability(*torch.cuda.get_device_capability())[1])")
-python3 -m attn_prologue build --targets "$target" >/dev/null
-configs=$(python3 -c "from tests.gpu.cases import CONFIG_KEYS, CONFIG_VARIANTS as V; print(','.join(CONFIG_KEYS), ' '.join(v.replace('_sm90', '') for v in V))")
-python3 -m attn_prologue build --targets "$target" --config ${configs%% *} --variants ${configs#* } >/dev/null
+# SUITE_PREBUILD=0 (a run of a few tests, e.g. with -k): no build first, kernels compile on first use
+if [ "${SUITE_PREBUILD:-1}" != 0 ]; then
+  target=$(python3 -c "import torch; from attn_prologue.variants import arch_for_capability; print(arch_for_capability(*torch.cuda.get_device_capability())[1])")
+  python3 -m attn_prologue build --targets "$target" >/dev/null
+  configs=$(python3 -c "from tests.gpu.cases import CONFIG_KEYS, CONFIG_VARIANTS as V; print(','.join(CONFIG_KEYS), ' '.join(v.replace('_sm90', '') for v in V))")
+  python3 -m attn_prologue build --targets "$target" --config ${configs%% *} --variants ${configs#* } >/dev/null
+fi
 start=$(date +%s)
 set +e
 python3 -m pytest tests -m gpu -q -p no:cacheprovider --junitxml "$result.xml" "$@"
