@@ -16,9 +16,11 @@ VEC = 8
 WARP = 32
 TOKENS = "tokens"  # name of the shared symbolic token count in the generated fake_arguments()
 PAD_VECTORS_PER_LANE = 8  # pad heads are zeroed 4 KB per warp pass (32 lanes x 8 x 16 bytes)
-# lanes per Q row in the chunk-interleaved layout: a warp's 4 rows (adjacent heads of one token) put
-# their 32-byte pieces of each 16-dim chunk side by side, so a store covers 128-byte runs as head-major's do
-INTERLEAVED_Q_LANES = 8
+# Lanes per Q row in the chunk-interleaved layout. 8 puts a warp's 4 rows (adjacent heads of one token)
+# side by side in each 16-dim chunk, so a store writes 128-byte runs as head-major's do; on the H200 that
+# was 1.0-2.0 points of the copy faster at T >= 2048 and 8% slower at T = 1 (each lane's chain 4x longer:
+# results/experiments/bench-h200-writers-qi8.json), so the rows keep the 32 lanes of head-major's
+INTERLEAVED_Q_LANES = 32
 
 
 @dataclass(frozen=True)

@@ -180,10 +180,9 @@ def test_a_module_folded_to_a_preset_carries_no_run_time_choice_code(variant, sp
 
 def test_a_lane_s_values_follow_the_row_s_lanes():
     """Instructions per value divide by the values a lane holds: D / 64 with a KV row over two warps
-    (row_split), D / 8 on a chunk-interleaved Q row (8 lanes per row)."""
+    (row_split), D / Q_LANES_PER_ROW on a Q row."""
     split = dataclasses.replace(parse_name(f"{NVFP4}_sm90").arch.default_config, row_split=2)
     assert sass.count(f"{NVFP4}_sm90", split, "sm_90a")["values_per_lane"] == 512 // 64
-    qi = "qkv_qi_d512r64_fp8_ds_mla_bf16_sm90"
-    assert (
-        sass.count(qi, parse_name(qi).arch.default_config, "sm_90a", row="q")["values_per_lane"] == 512 // 8
-    )
+    qi = parse_name("qkv_qi_d512r64_fp8_ds_mla_bf16_sm90")
+    q = sass.count(qi.name, qi.arch.default_config, "sm_90a", row="q")
+    assert q["values_per_lane"] == 512 // make_plan(qi)["q_lanes_per_row"]

@@ -24,9 +24,9 @@ ROWS_PER_PASS = 1  # rows one warp handles at once
 SLOTS = 2  # 128-bit vectors per lane per row
 TAIL_VECTOR = 56  # first vector of the rotated dims [D - R, D)
 ROW_SPLITS = (1,)  # LaunchConfig.row_split values this module takes (a KV row over k warps)
-Q_LANES_PER_ROW = 8  # a Q row's lanes (chunk-interleaved q_out: a store's rows are adjacent heads)
-Q_ROWS_PER_PASS = 4
-Q_SLOTS = 8
+Q_LANES_PER_ROW = 32  # a Q row's lanes (its RMSNorm sums in LANES_PER_ROW lanes' order whatever they are)
+Q_ROWS_PER_PASS = 1  # Q rows a warp handles at once
+Q_SLOTS = 2  # 128-bit vectors per lane per Q row
 ROW_VECTORS = HEAD_DIM * 1 // 16  # 128-bit vectors in one q_out head row
 PAD_VECTORS_PER_LANE = 8  # a pad pass zeroes 32 * this many vectors of one token's pad heads
 

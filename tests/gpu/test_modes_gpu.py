@@ -67,7 +67,7 @@ def test_interleaved_q_layout(fmt, q8, hp):
 
 @pytest.mark.parametrize("key", ["w4_u2_pdl1_nc1_cs", "w8_u1_pdl0_nc0_c4", "w2_u4_pdl1_nc1_spread"])
 def test_interleaved_q_rows_under_other_launch_configs(key):
-    """A chunk-interleaved Q row is on 8 lanes (4 rows a pass), its norm summed in the 32-lane order."""
+    """Chunk-interleaved Q rows across CTA sizes, passes per warp, persistent grids and KV spread."""
     for n, h, p in ((1, 8, 64), (513, 6, 16), (200, 64, 64)):
         check(
             Case(n=n, h=h, p=p, m=n - n // 3, negative_every=5, q_layout="interleaved", seed=n + h),
