@@ -169,8 +169,8 @@ def test_tune_entries_take_the_fastest_config_per_bucket():
 def test_target_checker_on_a_synthetic_bench_file():
     """`attn_prologue targets` reads a bench JSON; each bound is checked on the side it names."""
 
-    def result(n, h, p, us, copy_us, compiled_us=None, zero_once=False):
-        shape = dataclasses.asdict(bench.Shape(n=n, h=h, p=p, zero_once=zero_once))
+    def result(n, h, p, us, copy_us, compiled_us=None, zero_once=False, **knobs):
+        shape = dataclasses.asdict(bench.Shape(n=n, h=h, p=p, zero_once=zero_once, **knobs))
         return {
             "shape": shape,
             "op": {"median_us": us},
@@ -186,6 +186,8 @@ def test_target_checker_on_a_synthetic_bench_file():
             result(64, 64, 64, 4.1, 4.0),  # 4.1 us > 4.0: missed
             result(2048, 8, 64, 40.0, 39.0),
             result(2048, 8, 64, 10.0, 9.0, zero_once=True),  # 4x: met
+            result(2048, 64, 64, 200.0, 96.0, row_split=2),  # `bench --also`: an A/B row, not a target's
+            result(2048, 64, 64, 200.0, 96.0, lean_quant=True),
         ],
         "meta": {
             "host_overhead": {"bound_op_us": 7.9, "median_us": 8.1},
