@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .. import env
+from .. import env, tuning
 from ..jit import compiler
 
 # the attn_prologue package: runtime/ of the checkout in an editable install
@@ -48,8 +48,6 @@ def provenance(argv: list[str] | None = None, device=None) -> dict:
 def tuning_database_facts() -> dict:
     """The tuning database the dispatcher reads ($ATTN_PROLOGUE_TUNING_DB or the shipped one): its
     path, whether it is the shipped one, and the sha256 of its bytes (None: no such file)."""
-    from .. import tuning
-
     path = tuning.database_path()
     try:
         digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
