@@ -50,7 +50,7 @@ class Shape:
     numerics: str = ""  # the KV path's parity choices (`numerics=`); "": the format's defaults
     lean_quant: bool = False  # the dispatched config with LaunchConfig.lean_quant set
     defaults_only: bool = (
-        False  # ... with LaunchConfig.defaults_only set (a call with `numerics` gets its twin)
+        False  # ... with LaunchConfig.defaults_only set (a call with `numerics`: Runtime.serving_config)
     )
     row_split: int = 0  # k > 0: ... with LaunchConfig.row_split = k (0: the dispatched config's)
 

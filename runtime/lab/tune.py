@@ -46,7 +46,7 @@ DEFAULT_SPACE = (
     + [  # the leaner exact quantization arithmetic (same bytes), on the configs that won most often
         LaunchConfig(w, u, True, True, streaming=True, lean_quant=True) for w in (2, 4, 8, 16) for u in (1, 2)
     ]
-    + [  # and compiled for the format defaults only (calls with parity choices get the twin without _d)
+    + [  # and compiled for the format defaults only (calls with parity choices: Runtime.serving_config)
         LaunchConfig(w, 1, True, True, streaming=True, lean_quant=True, defaults_only=True)
         for w in (2, 4, 8, 16)
     ]
