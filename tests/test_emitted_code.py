@@ -28,7 +28,8 @@ def _tail_slots(plan: dict, split: int = 1) -> int:
 
 
 def expected_min_128bit_loads(v: Variant, config: LaunchConfig | None = None) -> int:
-    """Distinct 128-bit read-only loads of one pass of each kind: row vectors + cos and sin vectors."""
+    """Distinct 128-bit read-only loads of one pass of each kind: row vectors + cos and sin vectors, in
+    each kernel of the module (a kv-only module's plain kernel and its compressed writers' scan kernel)."""
     plan = make_plan(v)
     split = config.row_split if config else 1
     per_row = plan["slots"] // split + 2 * _tail_slots(plan, split)
@@ -40,7 +41,7 @@ def expected_min_128bit_loads(v: Variant, config: LaunchConfig | None = None) ->
             1 for s in range(plan["q_slots"]) if (s + 1) * plan["q_lanes_per_row"] > plan["tail_vector"]
         )
         n += plan["q_slots"] + 2 * q_tail
-    return n
+    return n if v.op.has_q else 2 * n
 
 
 def expected_store_bits(v: Variant) -> set[int]:
@@ -156,8 +157,13 @@ _SCALE32 = re.compile(r"((mul|mad)(24)?\.lo\.[su]32|shl\.b32)$")
 _SCALE64 = re.compile(r"((mul|mad)\.lo\.[su]64|(mul|mad)\.wide\.[su]32|shl\.b64)$")
 
 
-def _instructions(ptx: str) -> list[dict]:
-    body = ptx[ptx.index("{", ptx.index(".entry")) :]
+def _kernel_bodies(ptx: str) -> list[str]:
+    """Each kernel's text (a kv-only module has two; registers are named per kernel)."""
+    starts = [m.start() for m in re.finditer(r"\.entry\b", ptx)]
+    return [ptx[ptx.index("{", a) : b] for a, b in zip(starts, [*starts[1:], len(ptx)], strict=True)]
+
+
+def _instructions(body: str) -> list[dict]:
     out = []
     for line in body.splitlines():
         m = _INSTR.match(line.split("//")[0])
@@ -188,8 +194,15 @@ def _instructions(ptx: str) -> list[dict]:
 
 
 def address_problems(ptx: str) -> tuple[int, list[str]]:
-    """(global accesses checked, problems) for the rule above."""
-    ins = _instructions(ptx)
+    """(global accesses checked, problems) for the rule above, summed over the module's kernels."""
+    checked, problems = 0, []
+    for body in _kernel_bodies(ptx):
+        n, found = _kernel_address_problems(_instructions(body))
+        checked, problems = checked + n, problems + found
+    return checked, problems
+
+
+def _kernel_address_problems(ins: list[dict]) -> tuple[int, list[str]]:
     defs = collections.defaultdict(list)
     for i, x in enumerate(ins):
         for r in x["dests"]:

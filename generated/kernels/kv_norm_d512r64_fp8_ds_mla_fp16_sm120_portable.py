@@ -96,6 +96,7 @@ class Kernel:
         self.cfg = config
         self.row_lanes = LANES_PER_ROW * config.row_split  # a KV row's lanes, over row_split warps: vector j -> lane j % row_lanes
         self.slots = SLOTS // config.row_split  # 128-bit vectors per lane per KV row
+        self.round_rows = config.passes_per_warp * ROWS_PER_PASS  # KV rows one unit takes at once
 
     @cute.jit
     def __call__(
@@ -117,7 +118,8 @@ class Kernel:
     ):
         per_warp = self.cfg.passes_per_warp
         warps = self.cfg.warps_per_cta
-        kv_passes = (slot_mapping.shape[0] + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
+        window = self.scan_window(compress_ratio, slot_mapping.shape[0])[1]  # rows one warp's unit covers
+        kv_passes = (slot_mapping.shape[0] + (window - 1)) // window * per_warp
         kv_group = per_warp * warps if const_expr(self.cfg.spread_kv) else per_warp  # a warp (spread: a CTA) never mixes KV and Q
         kv_passes = (kv_passes + (kv_group - 1)) // kv_group * kv_group
         kv_passes = kv_passes * self.cfg.row_split  # row_split warps take their parts of the same rows
@@ -129,9 +131,15 @@ class Kernel:
             grid = cutlass.min(grid, max_ctas)  # warps then stride over the units
         schedule = Schedule(kv_passes, units, spacing)
         args = Arguments(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, errors, eps, block_size, compress_ratio, numerics, checked, max_ctas)
-        self.kernel(args, schedule).launch(
+        if self.scan_window(compress_ratio, slot_mapping.shape[0])[0]:  # its own kernel: its loop's registers stay there
+            self.launch(self.scan_kernel(args, schedule), grid, stream)
+        else:
+            self.launch(self.kernel(args, schedule), grid, stream)
+
+    def launch(self, kernel, grid, stream):
+        kernel.launch(
             grid=[grid, 1, 1],
-            block=[32 * warps, 1, 1],
+            block=[32 * self.cfg.warps_per_cta, 1, 1],
             stream=stream,
             use_pdl=self.cfg.pdl,
             min_blocks_per_mp=self.cfg.min_ctas_per_sm,
@@ -141,6 +149,15 @@ class Kernel:
 
     @cute.kernel
     def kernel(self, args: Arguments, schedule: Schedule):
+        self.run_units(args, schedule, False)
+
+    @cute.kernel
+    def scan_kernel(self, args: Arguments, schedule: Schedule):
+        """A compressed writer's large call: its units scan windows of rows (scan_window)."""
+        self.run_units(args, schedule, True)
+
+    @cute.jit
+    def run_units(self, args: Arguments, schedule: Schedule, scan: cutlass.Constexpr):
         if const_expr(self.cfg.defaults_only):  # a constant: the parity choices' branches fold away
             args = args._replace(numerics=Int32(DEFAULT_NUMERICS))
         elif const_expr(self.cfg.folded_numerics >= 0):  # another constant (an engine preset's bits)
@@ -154,9 +171,9 @@ class Kernel:
         if const_expr(self.cfg.persistent):
             stride = cute.arch.grid_dim()[0] * self.cfg.warps_per_cta
             for w in cutlass.range(unit, schedule.units, stride):
-                self.one_pass(self.first_pass(w, schedule), lane, args, schedule)
+                self.one_pass(self.first_pass(w, schedule), lane, args, schedule, scan)
         else:
-            self.one_pass(self.first_pass(unit, schedule), lane, args, schedule)
+            self.one_pass(self.first_pass(unit, schedule), lane, args, schedule, scan)
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -178,10 +195,10 @@ class Kernel:
         return u * self.cfg.passes_per_warp
 
     @cute.jit
-    def one_pass(self, p: Int32, lane: Int32, args: Arguments, schedule: Schedule):
+    def one_pass(self, p: Int32, lane: Int32, args: Arguments, schedule: Schedule, scan: cutlass.Constexpr):
         """The passes p .. p + passes_per_warp - 1 of one warp (none for the warps past the last unit)."""
         if p < schedule.kv_passes:
-            self.kv_pass(p, lane, args)
+            self.kv_pass(p, lane, args, scan)
 
     @cute.jit
     def load_tail_cos_sin(self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32, slots: int, lanes: int):
@@ -218,7 +235,77 @@ class Kernel:
                     kl.rope_identity(ys[s])
 
     @cute.jit
-    def kv_pass(self, p: Int32, lane: Int32, args: Arguments):
+    def bad_ids(self, slot: Int64, position: Int64, args: Arguments):
+        """Checked mode: a row whose slot is past the cache or whose position is outside the table."""
+        capacity = Int64(args.k_cache.shape[0]) * Int64(args.block_size)
+        return (slot >= 0) & ((slot >= capacity) | (position < 0) | (position >= args.cos_sin_cache.shape[0]))
+
+    @cute.jit
+    def count_error(self, args: Arguments):
+        cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(0), Int32, 4), Int32(1))
+
+    @cute.jit
+    def scan_window(self, compress_ratio: Int32, rows: Int32):
+        """(scan, window): a compressed writer's call of more than SPECULATIVE_ROWS rows gives each unit
+        a window of rows to scan, one position per lane, sized so that a window of consecutive positions
+        holds about round_rows group boundaries; any other call gives a unit its round_rows rows."""
+        scan = (compress_ratio != 1) & (rows > SPECULATIVE_ROWS)
+        window = self.round_rows + Int32(scan) * (cutlass.min(self.round_rows * compress_ratio, 32) - self.round_rows)
+        return scan, window
+
+    @cute.jit
+    def kv_pass(self, p: Int32, lane: Int32, args: Arguments, scan: cutlass.Constexpr):
+        """The KV rows of pass p's unit: one round of its rows, or (scan) the group-boundary rows of its
+        window, round_rows a round, so that the rows a compressed writer drops cost no warp's row work."""
+        if const_expr(scan):
+            window = self.scan_window(args.compress_ratio, args.slot_mapping.shape[0])[1]
+            base, mask, scan_position, rounds = self.scan_boundaries(p, lane, args, window)
+            for _ in cutlass.range(rounds):
+                self.kv_rows(p, lane, args, True, base, mask, scan_position)
+                for _ in range_constexpr(self.round_rows):
+                    mask = mask & (mask - 1)  # the lowest bits are this round's rows
+        else:
+            self.kv_rows(p, lane, args, False, Int64(0), Int32(0), Int32(0))
+
+    @cute.jit
+    def scan_boundaries(self, p: Int32, lane: Int32, args: Arguments, window: Int32):
+        """(base, mask, position, rounds): the window of pass p's unit starts at row base; lane i reads
+        row base + i's slot and position (its position is returned) and bit i of mask is set when that
+        row is a group boundary to insert (checked mode: an out-of-range row is counted here, once)."""
+        unit = p // self.cfg.passes_per_warp
+        base = Int64(unit // self.cfg.row_split) * Int64(window)  # (64-bit token offsets)
+        i = base + Int64(lane)
+        keep = cutlass.Boolean(False)
+        position = Int64(0)
+        if (lane < window) & (i < args.slot_mapping.shape[0]):
+            slot = Int64(args.slot_mapping[i])
+            position = Int64(args.positions[i])
+            keep = slot >= 0
+            if args.checked != 0:
+                bad = self.bad_ids(slot, position, args)
+                if bad & (unit % self.cfg.row_split == 0):  # (row_split warps scan the same window)
+                    self.count_error(args)
+                keep = keep & cutlass.not_(bad)
+            keep = keep & ((Int32(position) + 1) % args.compress_ratio == 0)
+        mask = cute.arch.vote_ballot_sync(keep)
+        rounds = (cute.arch.popc(mask) + (self.round_rows - 1)) // self.round_rows
+        return base, mask, Int32(position), rounds  # (positions < 2^31: checked mode skips the others)
+
+    @cute.jit
+    def scanned_row(self, u: int, lane: Int32, base: Int64, mask: Int32, scan_position: Int32):
+        """(row, valid, position) of this lane's row u in a scan round: the window's
+        (u * ROWS_PER_PASS + its row in the pass)-th boundary row not yet taken."""
+        taken = mask
+        for _ in range_constexpr(u * ROWS_PER_PASS):
+            taken = taken & (taken - 1)
+        for k in range_constexpr(1, ROWS_PER_PASS):
+            if lane // LANES_PER_ROW >= k:
+                taken = taken & (taken - 1)
+        bit = Int32(cute.arch.clz(cute.arch.brev(taken)))  # its index in the window (32: none left)
+        return base + Int64(bit), bit < 32, Int64(cute.arch.shuffle_sync(scan_position, bit))
+
+    @cute.jit
+    def kv_rows(self, p: Int32, lane: Int32, args: Arguments, scan: cutlass.Constexpr, base: Int64, mask: Int32, scan_position: Int32):
         """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. All rows' loads
         are issued first (row, slot and position together, then cos/sin), then each row is finished."""
         sub = lane % LANES_PER_ROW
@@ -231,28 +318,28 @@ class Kernel:
         for u in range_constexpr(self.cfg.passes_per_warp):
             r = first_row + u * ROWS_PER_PASS
             valid = r < args.slot_mapping.shape[0]
+            if const_expr(scan):
+                r, valid, scanned_position = self.scanned_row(u, lane, base, mask, scan_position)
             slot = Int64(-1)
             position = Int64(0)
             src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
             frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
             if valid:
                 slot = Int64(args.slot_mapping[r])
-                position = Int64(args.positions[r])
-                # a compressed writer of a large call reads only the group-boundary rows; otherwise (and
-                # for small calls, where the wait on the position would cost more than the bytes) the
-                # row load is issued with the position's, not after it
-                wanted = (args.compress_ratio == 1) | (args.slot_mapping.shape[0] <= SPECULATIVE_ROWS)
-                if not wanted:
-                    wanted = (Int32(position) + 1) % args.compress_ratio == 0
-                if wanted:
-                    for s in range_constexpr(self.slots):
-                        kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+                # rows are loaded with their positions, not after them: a compressed writer's small call
+                # loads every row (a wait on the position would cost more than the bytes), a large one
+                # only the boundary rows its scan found
+                if const_expr(scan):
+                    position = scanned_position
+                else:
+                    position = Int64(args.positions[r])
+                for s in range_constexpr(self.slots):
+                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             ok = slot >= 0
-            if args.checked != 0:
-                capacity = Int64(args.k_cache.shape[0]) * Int64(args.block_size)
-                bad = ok & ((slot >= capacity) | (position < 0) | (position >= args.cos_sin_cache.shape[0]))
+            if args.checked != 0:  # (a scanned row passed this check in the scan)
+                bad = self.bad_ids(slot, position, args)
                 if bad & (sub == 0):
-                    cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(0), Int32, 4), Int32(1))
+                    self.count_error(args)
                 ok = ok & cutlass.not_(bad)
             if args.compress_ratio != 1:  # the compressed writers: group-boundary rows only, RoPE at the group's start
                 p32 = Int32(position)  # positions < 2^31 (in range: checked mode skips the others)

@@ -91,6 +91,7 @@ class Kernel:
         self.cfg = config
         self.row_lanes = LANES_PER_ROW * config.row_split  # a KV row's lanes, over row_split warps: vector j -> lane j % row_lanes
         self.slots = SLOTS // config.row_split  # 128-bit vectors per lane per KV row
+        self.round_rows = config.passes_per_warp * ROWS_PER_PASS  # KV rows one unit takes at once
 
     @cute.jit
     def __call__(
@@ -132,9 +133,12 @@ class Kernel:
             grid = cutlass.min(grid, max_ctas)  # warps then stride over the units
         schedule = Schedule(q_heads, kv_passes, q_end, passes, pad_chunks, units, spacing)
         args = Arguments(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, errors, eps, block_size, n_write_heads, q_flags, numerics, checked, max_ctas)
-        self.kernel(args, schedule).launch(
+        self.launch(self.kernel(args, schedule), grid, stream)
+
+    def launch(self, kernel, grid, stream):
+        kernel.launch(
             grid=[grid, 1, 1],
-            block=[32 * warps, 1, 1],
+            block=[32 * self.cfg.warps_per_cta, 1, 1],
             stream=stream,
             use_pdl=self.cfg.pdl,
             min_blocks_per_mp=self.cfg.min_ctas_per_sm,
@@ -144,6 +148,10 @@ class Kernel:
 
     @cute.kernel
     def kernel(self, args: Arguments, schedule: Schedule):
+        self.run_units(args, schedule, False)
+
+    @cute.jit
+    def run_units(self, args: Arguments, schedule: Schedule, scan: cutlass.Constexpr):
         if const_expr(self.cfg.defaults_only):  # a constant: the parity choices' branches fold away
             args = args._replace(numerics=Int32(DEFAULT_NUMERICS))
         elif const_expr(self.cfg.folded_numerics >= 0):  # another constant (an engine preset's bits)
@@ -157,9 +165,9 @@ class Kernel:
         if const_expr(self.cfg.persistent):
             stride = cute.arch.grid_dim()[0] * self.cfg.warps_per_cta
             for w in cutlass.range(unit, schedule.units, stride):
-                self.one_pass(self.first_pass(w, schedule), lane, args, schedule)
+                self.one_pass(self.first_pass(w, schedule), lane, args, schedule, scan)
         else:
-            self.one_pass(self.first_pass(unit, schedule), lane, args, schedule)
+            self.one_pass(self.first_pass(unit, schedule), lane, args, schedule, scan)
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -181,7 +189,7 @@ class Kernel:
         return u * self.cfg.passes_per_warp
 
     @cute.jit
-    def one_pass(self, p: Int32, lane: Int32, args: Arguments, schedule: Schedule):
+    def one_pass(self, p: Int32, lane: Int32, args: Arguments, schedule: Schedule, scan: cutlass.Constexpr):
         """The passes p .. p + passes_per_warp - 1 of one warp: KV rows first (their warps are the
         slower ones: start them early, so the grid's tail is uniform Q work), then Q rows, then pads."""
         if p < schedule.kv_passes:
@@ -291,6 +299,16 @@ class Kernel:
                         kl.store_vector(zero, run, (first + i * 32) * 16, IO_DTYPE, 16, self.cfg.streaming)
 
     @cute.jit
+    def bad_ids(self, slot: Int64, position: Int64, args: Arguments):
+        """Checked mode: a row whose slot is past the cache or whose position is outside the table."""
+        capacity = Int64(args.k_cache.shape[0]) * Int64(args.block_size)
+        return (slot >= 0) & ((slot >= capacity) | (position < 0) | (position >= args.cos_sin_cache.shape[0]))
+
+    @cute.jit
+    def count_error(self, args: Arguments):
+        cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(0), Int32, 4), Int32(1))
+
+    @cute.jit
     def kv_pass(self, p: Int32, lane: Int32, args: Arguments):
         """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. All rows' loads
         are issued first (row, slot and position together, then cos/sin), then each row is finished."""
@@ -314,11 +332,10 @@ class Kernel:
                 for s in range_constexpr(self.slots):
                     kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             ok = slot >= 0
-            if args.checked != 0:
-                capacity = Int64(args.k_cache.shape[0]) * Int64(args.block_size)
-                bad = ok & ((slot >= capacity) | (position < 0) | (position >= args.cos_sin_cache.shape[0]))
+            if args.checked != 0:  # (a scanned row passed this check in the scan)
+                bad = self.bad_ids(slot, position, args)
                 if bad & (sub == 0):
-                    cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(0), Int32, 4), Int32(1))
+                    self.count_error(args)
                 ok = ok & cutlass.not_(bad)
             tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
             rows.append((slot, ok, frags, tables))

@@ -34,9 +34,7 @@ def _elf_sections(data: bytes):
     return [(cstr(strtab_off, s[0]), s) for s in raw]
 
 
-def cubin_resources(data: bytes) -> dict:
-    """{'registers', 'frame_bytes', 'min_stack_bytes', 'local_sections'} of the kernel in a cubin."""
-    sections = _elf_sections(data)
+def _symbol_names(data: bytes, sections) -> dict[int, str]:
     symtab = next((s for name, s in sections if name == ".symtab"), None)
     names: dict[int, str] = {}
     if symtab is not None:
@@ -45,7 +43,26 @@ def cubin_resources(data: bytes) -> dict:
             st_name = struct.unpack_from("<I", data, symtab[4] + 24 * i)[0]
             end = data.index(b"\0", strtab[4] + st_name)
             names[i] = data[strtab[4] + st_name : end].decode()
+    return names
+
+
+def kernel_symbols(data: bytes) -> dict[str, int]:
+    """{Kernel method: its symbol's index} of the kernels in a cubin (nvdisasm -fun takes the index)."""
+    return {
+        kernel_method(name): i
+        for i, name in _symbol_names(data, _elf_sections(data)).items()
+        if name.startswith("kernel_cutlass_")
+    }
+
+
+def cubin_resources(data: bytes) -> dict:
+    """{'registers', 'frame_bytes', 'min_stack_bytes', 'local_sections'} of the kernels in a cubin (the
+    most of any of them) and 'kernel_registers', each kernel's registers (a kv-only module has two: its
+    plain kernel and the compressed writers' scan kernel)."""
+    sections = _elf_sections(data)
+    names = _symbol_names(data, sections)
     found = {"registers": 0, "frame_bytes": 0, "min_stack_bytes": 0}
+    per_kernel: dict[str, int] = {}
     for name, s in sections:
         if not name.startswith(".nv.info"):
             continue
@@ -65,10 +82,20 @@ def cubin_resources(data: bytes) -> dict:
                         attr, "min_stack_bytes"
                     )
                     found[key] = max(found[key], value)
+                    if key == "registers":
+                        per_kernel[kernel_method(names[sym])] = value
             else:
                 i += 4
     found["local_sections"] = sum(1 for name, _ in sections if name.startswith(".nv.local"))
+    found["kernel_registers"] = dict(sorted(per_kernel.items()))
     return found
+
+
+def kernel_method(symbol: str) -> str:
+    """The Kernel method a kernel symbol was compiled from: the DSL names it
+    kernel_cutlass_<method>_<module and argument tags>."""
+    m = re.match(r"kernel_cutlass_(kernel|scan_kernel)_", symbol)
+    return m[1] if m else symbol
 
 
 def ptx_facts(ptx: str) -> dict:

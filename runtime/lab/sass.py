@@ -57,9 +57,12 @@ from .sass_reader import (  # noqa: F401  (the reader's public names, as this mo
 # ---- basic blocks and the reachable set ----------------------------------------------------------------
 _TARGET = re.compile(r"`\(([.$][\w.$]+)\)")
 COLD_OPCODES = re.compile(r"^(CALL|ATOMG|ATOM|REDG|RED)$")  # rare-input code: slow paths, error counts
-PASSES = ("q_pass", "pad_pass", "kv_pass")
-# the generated-module lines that only compressed writers run: the group-boundary test and the group start
+# the Kernel methods of each pass (a kv-only module's kv_pass hands its rows to kv_rows)
+PASSES = {"q_pass": "q_pass", "pad_pass": "pad_pass", "kv_pass": "kv_pass", "kv_rows": "kv_pass"}
+# the generated-module lines that only compressed writers run: the group-boundary test and the group start,
+# and the methods of a large call's boundary scan
 COMPRESS_MARKERS = ("% args.compress_ratio", "// args.compress_ratio")
+COMPRESS_METHODS = ("scan_boundaries", "scanned_row")
 
 
 @dataclasses.dataclass
@@ -112,7 +115,7 @@ def _module_lines(path: str) -> tuple[dict[int, str], frozenset[int]]:
         elif re.match(r"\S", text):
             method = None
         where[n] = method
-        if any(marker in text for marker in COMPRESS_MARKERS):
+        if method in COMPRESS_METHODS or any(marker in text for marker in COMPRESS_MARKERS):
             compress.add(n)
     return where, frozenset(compress)
 
@@ -180,7 +183,7 @@ def label_blocks(blocks: list[Block], module: str) -> None:
         if own:
             where, compress = _module_lines(own[0][0])
             methods = [where.get(n) for _, n in own]
-            passes = Counter(m for m in methods if m in PASSES)
+            passes = Counter(PASSES[m] for m in methods if m in PASSES)
             blk.compress = sum(n in compress for _, n in own) * 2 > len(own)
             blk.choice = all(n in _choice_lines(own[0][0]) for _, n in own)
             if passes or any(m not in shared for m in methods):
@@ -217,8 +220,10 @@ def reachable(blocks: list[Block], row: str, compress: bool, choices: bool = Fal
 
 # ---- the count ------------------------------------------------------------------------------------------
 @functools.cache
-def _sass(variant: str, config: LaunchConfig, target: str) -> tuple[tuple[Instruction, ...], tuple]:
-    instrs, labels = disassemble(line_info_cubin(variant, config, target))
+def _sass(
+    variant: str, config: LaunchConfig, target: str, kernel: str
+) -> tuple[tuple[Instruction, ...], tuple]:
+    instrs, labels = disassemble(line_info_cubin(variant, config, target), kernel)
     return tuple(instrs), tuple(labels.items())
 
 
@@ -234,21 +239,26 @@ def count(
     row: str = "kv",
     compress: bool = False,
     cache: KernelCache | None = None,
+    kernel: str = "kernel",
 ) -> dict:
     """Instructions per lane and pass of one row kind (module docstring), their classes, and per value.
-    With `cache`, the module's entry there (if built) is checked to have the same SASS as the twin."""
+    With `cache`, the module's entry there (if built) is checked to have the same SASS as the twin.
+    `kernel="scan_kernel"`: a kv-only module's kernel for compressed writers' large calls, where a
+    unit's pass is its window's scan and one round of boundary rows."""
     v = parse_name(variant)
     if row not in ("kv", "q") or (row == "q" and not v.op.has_q):
         raise ValueError(f"row must be 'kv'{' or q' if v.op.has_q else ''} for {variant}, got {row!r}")
     if compress and v.op.has_q:
         raise ValueError("compress ratios are a kv-only writer's argument")
-    instrs, labels = _sass(variant, config, target)
+    if kernel == "scan_kernel" and not compress:
+        raise ValueError("the scan kernel runs compressed writers only (compress=True)")
+    instrs, labels = _sass(variant, config, target, kernel)
     instrs = list(instrs)
     matches = None
     if cache is not None:
         built = cached_cubin(cache, KernelKey(variant, config, target))
         if built is not None:
-            matches = same_code(disassemble(built)[0], instrs)
+            matches = same_code(disassemble(built, kernel)[0], instrs)
     blocks = basic_blocks(instrs, dict(labels))
     label_blocks(blocks, f"{variant}.py")
     region = f"{row}_pass"
@@ -271,6 +281,7 @@ def count(
     )
     return {
         "variant": variant,
+        "kernel": kernel,
         "config": config.key,
         "target": target,
         "row": row,
@@ -298,11 +309,14 @@ def of_shape(shape, config: LaunchConfig | None = None) -> dict:
     v = rt.variant(shape.request)
     qkv = shape.op == "qkv"
     cfg = config or shape.launch_config()
-    out = {"variant": v.name, "config": cfg.key}
+    compress = shape.compress_ratio != 1
+    scan = compress and shape.n > compiler.load_module(v.name).SPECULATIVE_ROWS  # the scan kernel runs it
+    kernel = "scan_kernel" if scan else "kernel"
+    out = {"variant": v.name, "kernel": kernel, "config": cfg.key}
     try:
         for row in ("q", "kv") if qkv else ("kv",):
             c = count(
-                v.name, cfg, rt.device().target, row=row, compress=shape.compress_ratio != 1, cache=rt.cache
+                v.name, cfg, rt.device().target, row=row, compress=compress, cache=rt.cache, kernel=kernel
             )
             out[row] = {
                 k: c[k] for k in ("per_value", "instructions", "classes", "ieee_divisions", "matches_cache")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import env
 from ..errors import AttnPrologueError
-from ..jit import compiler
+from ..jit import artifacts, compiler
 from ..jit.kernel_cache import KernelCache, KernelKey
 from ..launch import LaunchConfig
 
@@ -139,12 +139,21 @@ _LINE = re.compile(r'^\s*//## File "([^"]+)", line (\d+)')
 _LABEL = re.compile(r"^([.$][\w.$]+):\s*$")
 
 
-def disassemble(cubin: bytes) -> tuple[list[Instruction], dict[str, int]]:
-    """The instructions of the kernel's text section and the address of every label."""
+def disassemble(cubin: bytes, kernel: str = "kernel") -> tuple[list[Instruction], dict[str, int]]:
+    """The instructions of one kernel's text section (the Kernel method `kernel` compiled: a kv-only
+    module also has `scan_kernel`) and the address of every label."""
+    tool = nvdisasm()
+    try:
+        symbols = artifacts.kernel_symbols(cubin)
+    except (ValueError, struct.error, IndexError) as e:
+        raise SassError(f"not a cubin nvdisasm can read: {e}") from e
+    if kernel not in symbols:
+        raise SassError(f"no kernel compiled from Kernel.{kernel} in this cubin (it has {sorted(symbols)})")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        proc = subprocess.run([str(nvdisasm()), "-c", "-g", f.name], capture_output=True, text=True)
+        args = [str(tool), "-c", "-g", "-fun", str(symbols[kernel]), f.name]
+        proc = subprocess.run(args, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SassError(f"nvdisasm failed: {proc.stderr.strip()[:500]}")
     instrs: list[Instruction] = []
