@@ -21,6 +21,13 @@ PAD_VECTORS_PER_LANE = 8  # pad heads are zeroed 4 KB per warp pass (32 lanes x 
 # was 1.0-2.0 points of the copy faster at T >= 2048 and 8% slower at T = 1 (each lane's chain 4x longer:
 # results/experiments/bench-h200-writers-qi8.json), so the rows keep the 32 lanes of head-major's
 INTERLEAVED_Q_LANES = 32
+# A compressed writer's call whose kv rows are at most this many bytes loads every row with its position
+# (one dependent DRAM round trip, r times the row bytes it needs); a larger one scans the positions first
+# and loads the boundary rows only (two round trips). On the H200 (results/bench-h200-writers.json, the
+# scan's first run): at 2048 rows of D = 128 the plain writer of all rows (no norm) beat the indexer's
+# scan by 1.12-1.18x; at 2048 rows of D = 512 the scan beat the plain writer of all rows by 1.15-1.21x, so
+# D = 512 keeps its earlier 512 rows. 512 KiB is 512 rows of D = 512 and 2048 of D = 128 (bf16 rows).
+SPECULATIVE_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,7 @@ def make_plan(v: Variant) -> dict:
     sig = signature(v)
     choices = f.numerics_choices()
     q_lanes = min(lanes, INTERLEAVED_Q_LANES) if v.q_layout is QLayout.INTERLEAVED else lanes
+    io_bytes = 2  # bf16 and fp16 rows
     return {
         "lanes_per_row": lanes,
         "q_lanes_per_row": q_lanes,
@@ -104,7 +112,8 @@ def make_plan(v: Variant) -> dict:
         "rows_per_pass": WARP // lanes,
         "slots": d // (VEC * lanes),
         "tail_vector": (d - r) // VEC,
-        "io_bytes": 2,
+        "io_bytes": io_bytes,
+        "speculative_rows": SPECULATIVE_BYTES // (d * io_bytes),
         "q_out_bytes": 1 if v.q_out is QOut.FP8 else 2,
         "pad_vectors_per_lane": PAD_VECTORS_PER_LANE,
         "encoder": encoder,

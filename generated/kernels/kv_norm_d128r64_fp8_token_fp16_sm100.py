@@ -24,7 +24,7 @@ ROWS_PER_PASS = 2  # rows one warp handles at once
 SLOTS = 1  # 128-bit vectors per lane per row
 TAIL_VECTOR = 8  # first vector of the rotated dims [D - R, D)
 ROW_SPLITS = (1,)  # LaunchConfig.row_split values this module takes (a KV row over k warps)
-SPECULATIVE_ROWS = 512  # compressed writers: calls up to this many rows load every row without waiting for its position
+SPECULATIVE_ROWS = 2048  # compressed writers: calls up to this many rows load every row without waiting for its position
 
 # ---- parity choices: bits of the run-time `numerics` argument (attn_prologue.formats.NumericsFlag) --
 FP32_ROTATED_ROW = 4
