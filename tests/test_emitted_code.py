@@ -139,8 +139,11 @@ def test_launch_config_is_compiled_in(built, v, key):
 
 
 def assert_config_in_ptx(ptx: str, cfg: LaunchConfig) -> None:
-    assert re.findall(r"\.reqntid (\d+), 1, 1", ptx) == [str(32 * cfg.warps_per_cta)]
-    assert (len(re.findall(r"griddepcontrol\.(wait|launch_dependents)", ptx)) == 2) == cfg.pdl
+    """In every kernel of the module (a kv-only module has its plain kernel and its scan kernel)."""
+    kernels = len(re.findall(r"\.entry\b", ptx))
+    assert kernels >= 1
+    assert re.findall(r"\.reqntid (\d+), 1, 1", ptx) == [str(32 * cfg.warps_per_cta)] * kernels
+    assert (len(re.findall(r"griddepcontrol\.(wait|launch_dependents)", ptx)) == 2 * kernels) == cfg.pdl
 
 
 # ---- 64-bit token offsets, by data flow in the PTX --------------------------------------------------
