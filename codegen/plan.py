@@ -23,8 +23,8 @@ PAD_VECTORS_PER_LANE = 8  # pad heads are zeroed 4 KB per warp pass (32 lanes x 
 INTERLEAVED_Q_LANES = 32
 # A compressed writer's call whose kv rows are at most this many bytes loads every row with its position
 # (one dependent DRAM round trip, r times the row bytes it needs); a larger one scans the positions first
-# and loads the boundary rows only (two round trips). On the H200 (results/bench-h200-writers.json, the
-# scan's first run): at 2048 rows of D = 128 the plain writer of all rows (no norm) beat the indexer's
+# and loads the boundary rows only (two round trips). On the H200 (the writers bench at de39f48, in the
+# history of results/bench-h200-writers.json): at 2048 rows of D = 128 the plain writer of all rows (no norm) beat the indexer's
 # scan by 1.12-1.18x; at 2048 rows of D = 512 the scan beat the plain writer of all rows by 1.15-1.21x, so
 # D = 512 keeps its earlier 512 rows. 512 KiB is 512 rows of D = 512 and 2048 of D = 128 (bf16 rows).
 SPECULATIVE_BYTES = 512 * 1024

@@ -134,7 +134,7 @@ class Kernel:
     ):
         per_warp = self.cfg.passes_per_warp
         warps = self.cfg.warps_per_cta
-        window = self.scan_window(compress_ratio, slot_mapping.shape[0])[1]  # rows one warp's unit covers
+        scan, window = self.scan_window(compress_ratio, slot_mapping.shape[0])  # window: rows one warp's unit covers
         kv_passes = (slot_mapping.shape[0] + (window - 1)) // window * per_warp
         kv_group = per_warp * warps if const_expr(self.cfg.spread_kv) else per_warp  # a warp (spread: a CTA) never mixes KV and Q
         kv_passes = (kv_passes + (kv_group - 1)) // kv_group * kv_group
@@ -147,7 +147,7 @@ class Kernel:
             grid = cutlass.min(grid, max_ctas)  # warps then stride over the units
         schedule = Schedule(kv_passes, units, spacing)
         args = Arguments(kv, k_cache, slot_mapping, positions, cos_sin_cache, errors, block_size, compress_ratio, numerics, checked, max_ctas)
-        if self.scan_window(compress_ratio, slot_mapping.shape[0])[0]:  # its own kernel: its loop's registers stay there
+        if scan:  # its own kernel: its loop's registers stay there
             self.launch(self.scan_kernel(args, schedule), grid, stream)
         else:
             self.launch(self.kernel(args, schedule), grid, stream)
