@@ -10,8 +10,10 @@ import tempfile
 
 import pytest
 from attn_prologue.codegen.plan import make_plan
+from attn_prologue.jit import artifacts
 from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.lab import copy_kernel, sass, sass_reader, timing
+from attn_prologue.launch import LaunchConfig
 from attn_prologue.variants import Op, parse_name
 
 NVFP4 = "kv_d512r64_nvfp4_v41_bf16"
@@ -186,3 +188,41 @@ def test_a_lane_s_values_follow_the_row_s_lanes():
     qi = parse_name("qkv_qi_d512r64_fp8_ds_mla_bf16_sm90")
     q = sass.count(qi.name, qi.arch.default_config, "sm_90a", row="q")
     assert q["values_per_lane"] == 512 // make_plan(qi)["q_lanes_per_row"]
+
+
+PDL_CASES = [
+    ("kv_d512r64_fp8_ds_mla_bf16_sm90", "w4_u1_pdl1_nc1_cs"),
+    ("kv_d512r64_nvfp4_v41_bf16_sm120", "w4_u2_pdl1_nc1_cs_lq_r2"),
+    ("kv_norm_d128r64_mxfp4_bf16_sm90", "w8_u1_pdl1_nc0_c4"),
+    ("qkv_d512r64_fp8_ds_mla_bf16_sm90", "w4_u2_pdl1_nc1_cs"),
+    ("qkv_qi_d512r64_mxfp8_bf16_sm100", "w2_u4_pdl1_nc1_spread"),
+]
+
+
+@pytest.mark.parametrize("variant, key", PDL_CASES)
+def test_only_ids_are_read_before_the_pdl_wait(cache, variant, key):
+    """What a kernel does before griddepcontrol.wait overlaps the previous kernel, so on every path it
+    may only read what the caller prepared earlier: slot ids and positions (at most 64-bit loads) and,
+    for kv_norm, the norm weights. Every write (stores, the error counter's atomics) and every load of
+    a row (128-bit: kv, q_in) comes after the wait. Read from the SASS of every kernel of the module."""
+    v = parse_name(variant)
+    config = LaunchConfig.from_key(key)
+    built = KernelKey(variant, config, v.arch.targets[0])
+    cache.ensure_built(built)
+    cubin = sass_reader.cached_cubin(cache, built)
+    weights = make_plan(v)["slots"] if v.op is Op.KV_NORM else 0
+    for kernel in artifacts.kernel_symbols(cubin):
+        instrs, labels = sass_reader.disassemble(cubin, kernel)
+        early = sass.before_wait(instrs, labels)
+        assert any(i.base == "ACQBULK" for i in instrs), kernel
+        writes = [i.text for i in early if not i.base.startswith("LD")]
+        wide = [i.text for i in early if i.base.startswith("LD") and ".128" in i.opcode]
+        assert not writes, (kernel, writes)
+        assert len(wide) <= weights, (kernel, wide)
+        assert any(i.base == "LDG" and ".128" not in i.opcode for i in early), (kernel, "no id is read early")
+    # without PDL there is no wait, and the same accesses
+    plain = KernelKey(variant, dataclasses.replace(config, pdl=False), v.arch.targets[0])
+    cache.ensure_built(plain)
+    assert not any(
+        i.base == "ACQBULK" for i in sass_reader.disassemble(sass_reader.cached_cubin(cache, plain))[0]
+    )

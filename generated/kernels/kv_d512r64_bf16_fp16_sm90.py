@@ -139,8 +139,6 @@ class Kernel:
             args = args._replace(numerics=Int32(self.cfg.folded_numerics))
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        if const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_wait()
         lane = tidx % 32
         unit = bidx * self.cfg.warps_per_cta + tidx // 32  # this warp's unit
         if const_expr(self.cfg.persistent):
@@ -151,6 +149,14 @@ class Kernel:
             self.one_pass(self.first_pass(unit, schedule), lane, args, schedule, scan)
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def wait_for_producer(self):
+        """PDL: wait for the previous kernel in the stream (its writes are then visible). A pass may read
+        what the caller prepared before that kernel (slots, positions, norm weights) before it; it reads
+        that kernel's outputs (kv, q_in, q_scale) and makes every write of its own after it."""
+        if const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def first_pass(self, w: Int32, schedule: Schedule) -> Int32:
@@ -216,8 +222,10 @@ class Kernel:
         return (slot >= 0) & ((slot >= capacity) | (position < 0) | (position >= args.cos_sin_cache.shape[0]))
 
     @cute.jit
-    def count_error(self, args: Arguments):
-        cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(0), Int32, 4), Int32(1))
+    def count_error(self, args: Arguments, counter: int = 0):
+        """Checked mode: one more bad row in errors[counter] (0: KV rows, 1: Q rows); a write, so after the wait."""
+        self.wait_for_producer()
+        cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(4 * counter), Int32, 4), Int32(1))
 
     @cute.jit
     def scan_window(self, compress_ratio: Int32, rows: Int32):
@@ -281,15 +289,16 @@ class Kernel:
 
     @cute.jit
     def kv_rows(self, p: Int32, lane: Int32, args: Arguments, scan: cutlass.Constexpr, base: Int64, mask: Int32, scan_position: Int32):
-        """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. All rows' loads
-        are issued first (row, slot and position together, then cos/sin), then each row is finished."""
+        """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. Every row's slot and
+        position loads are issued first, then (after the PDL wait: wait_for_producer) its kv loads, then
+        its cos/sin loads once its position is known, then each row is finished."""
         sub = lane % LANES_PER_ROW
         first_row = p * ROWS_PER_PASS + lane // LANES_PER_ROW
         if const_expr(self.cfg.row_split > 1):  # this warp's unit does its part of passes_per_warp rows
             unit = p // self.cfg.passes_per_warp
             sub = unit % self.cfg.row_split * 32 + lane
             first_row = unit // self.cfg.row_split * self.cfg.passes_per_warp
-        rows = []
+        ids = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             r = first_row + u * ROWS_PER_PASS
             valid = r < args.slot_mapping.shape[0]
@@ -297,19 +306,29 @@ class Kernel:
                 r, valid, scanned_position = self.scanned_row(u, lane, base, mask, scan_position)
             slot = Int64(-1)
             position = Int64(0)
-            src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
-            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
             if valid:
                 slot = Int64(args.slot_mapping[r])
-                # rows are loaded with their positions, not after them: a compressed writer's small call
-                # loads every row (a wait on the position would cost more than the bytes), a large one
-                # only the boundary rows its scan found
                 if const_expr(scan):
                     position = scanned_position
                 else:
                     position = Int64(args.positions[r])
+            ids.append((r, valid, slot, position))
+        self.wait_for_producer()
+        rows = []
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            # every valid row, boundary or not: a compressed writer's small call does not wait for its
+            # positions to choose (that wait would cost more than the bytes); a large one's rows are the
+            # boundary rows its scan found
+            r, valid, slot, position = ids[u]
+            src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
+            if valid:
                 for s in range_constexpr(self.slots):
                     kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+            rows.append(frags)
+        loaded = []
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            r, valid, slot, position = ids[u]
             ok = slot >= 0
             if args.checked != 0:  # (a scanned row passed this check in the scan)
                 bad = self.bad_ids(slot, position, args)
@@ -321,9 +340,9 @@ class Kernel:
                 ok = ok & ((p32 + 1) % args.compress_ratio == 0)
                 position = Int64(p32 // args.compress_ratio * args.compress_ratio)
             tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
-            rows.append((slot, ok, frags, tables))
+            loaded.append((slot, ok, rows[u], tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
-            slot, ok, frags, tables = rows[u]
+            slot, ok, frags, tables = loaded[u]
             if cute.arch.vote_any_sync(ok):  # a warp whose rows are all skipped (DP padding, rows a compressed writer drops) has no work
                 ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(self.slots)]
                 for s in range_constexpr(self.slots):
@@ -335,7 +354,8 @@ class Kernel:
                     for s in range_constexpr(self.slots):
                         ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
                 xr = [ys[s].load() for s in range(self.slots)]
-                block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
+                # unsigned 32-bit (slot >= 0 wherever it is stored; no floor fix-ups); 64-bit for slots >= 2^31
+                block = Int64(cutlass.Uint32(slot) // cutlass.Uint32(args.block_size))
                 if slot > Int64(0x7FFFFFFF):
                     block = slot // Int64(args.block_size)
                 page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]

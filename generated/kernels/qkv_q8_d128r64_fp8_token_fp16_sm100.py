@@ -177,8 +177,6 @@ class Kernel:
             args = args._replace(numerics=Int32(self.cfg.folded_numerics))
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        if const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_wait()
         lane = tidx % 32
         unit = bidx * self.cfg.warps_per_cta + tidx // 32  # this warp's unit
         if const_expr(self.cfg.persistent):
@@ -189,6 +187,14 @@ class Kernel:
             self.one_pass(self.first_pass(unit, schedule), lane, args, schedule, scan)
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def wait_for_producer(self):
+        """PDL: wait for the previous kernel in the stream (its writes are then visible). A pass may read
+        what the caller prepared before that kernel (slots, positions, norm weights) before it; it reads
+        that kernel's outputs (kv, q_in, q_scale) and makes every write of its own after it."""
+        if const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def first_pass(self, w: Int32, schedule: Schedule) -> Int32:
@@ -255,33 +261,42 @@ class Kernel:
     @cute.jit
     def q_pass(self, p: Int32, lane: Int32, args: Arguments, q_heads: Int32):
         """Rows are the (token, head) pairs of q_in (q_heads = H), head-minor. A row whose position is out of
-        range in checked mode is written as zeros. All rows' loads are issued first (position and
-        row, then cos/sin), then each row is finished."""
+        range in checked mode is written as zeros. Every row's position load is issued first, then (after
+        the PDL wait) its q_in loads, then its cos/sin loads, then each row is finished."""
         sub = lane % Q_LANES_PER_ROW
-        rows = []
+        ids = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             r = (p + u) * Q_ROWS_PER_PASS + lane // Q_LANES_PER_ROW
             t = r // q_heads
             h = r - t * q_heads
             valid = t < args.q_in.shape[0]
-            live = valid
             position = Int64(0)
             if valid:
                 position = Int64(args.positions[t])
+            ids.append((t, h, valid, position))
+        self.wait_for_producer()
+        rows = []
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            t, h, valid, position = ids[u]
             src = kl.base_address(args.q_in) + (Int64(t) * args.q_in.stride[0] + Int64(h) * HEAD_DIM) * 2
             frags = [kl.zero_vector(IO_DTYPE) for _ in range(Q_SLOTS)]
-            if live:
+            if valid:
                 for s in range_constexpr(Q_SLOTS):
                     kl.load_vector_into(frags[s], src, Int64((s * Q_LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+            rows.append(frags)
+        loaded = []
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            t, h, valid, position = ids[u]
+            live = valid
             if args.checked != 0:
                 bad = valid & ((position < 0) | (position >= args.cos_sin_cache.shape[0]))
                 if bad & (h == 0) & (sub == 0):
-                    cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(4), Int32, 4), Int32(1))
+                    self.count_error(args, 1)
                 live = live & cutlass.not_(bad)
             tables = self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub, Q_SLOTS, Q_LANES_PER_ROW)
-            rows.append((t, h, valid, live, frags, tables))
+            loaded.append((t, h, valid, live, rows[u], tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
-            t, h, valid, live, frags, tables = rows[u]
+            t, h, valid, live, frags, tables = loaded[u]
             xs = [f.load().to(Float32) for f in frags]
             ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(Q_SLOTS)]
             for s in range_constexpr(Q_SLOTS):
@@ -306,6 +321,7 @@ class Kernel:
         """Zeroes of the pad heads: token t's heads [H, n_write_heads) are one contiguous run of
         vectors; pass p covers 32 * PAD_VECTORS_PER_LANE of them (chunk p % pad_chunks of token
         p // pad_chunks), one 128-bit store per lane and step, consecutive lanes adjacent."""
+        self.wait_for_producer()  # (its stores)
         zero = kl.zero_vector(IO_DTYPE)
         pad_vectors = Int64((args.n_write_heads - schedule.q_heads) * ROW_VECTORS)
         for u in range_constexpr(self.cfg.passes_per_warp):
@@ -324,32 +340,48 @@ class Kernel:
         return (slot >= 0) & ((slot >= capacity) | (position < 0) | (position >= args.cos_sin_cache.shape[0]))
 
     @cute.jit
-    def count_error(self, args: Arguments):
-        cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(0), Int32, 4), Int32(1))
+    def count_error(self, args: Arguments, counter: int = 0):
+        """Checked mode: one more bad row in errors[counter] (0: KV rows, 1: Q rows); a write, so after the wait."""
+        self.wait_for_producer()
+        cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(4 * counter), Int32, 4), Int32(1))
 
     @cute.jit
     def kv_pass(self, p: Int32, lane: Int32, args: Arguments):
-        """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. All rows' loads
-        are issued first (row, slot and position together, then cos/sin), then each row is finished."""
+        """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. Every row's slot and
+        position loads are issued first, then (after the PDL wait: wait_for_producer) its kv loads, then
+        its cos/sin loads once its position is known, then each row is finished."""
         sub = lane % LANES_PER_ROW
         first_row = p * ROWS_PER_PASS + lane // LANES_PER_ROW
         if const_expr(self.cfg.row_split > 1):  # this warp's unit does its part of passes_per_warp rows
             unit = p // self.cfg.passes_per_warp
             sub = unit % self.cfg.row_split * 32 + lane
             first_row = unit // self.cfg.row_split * self.cfg.passes_per_warp
-        rows = []
+        ids = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             r = first_row + u * ROWS_PER_PASS
             valid = r < args.slot_mapping.shape[0]
             slot = Int64(-1)
             position = Int64(0)
-            src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
-            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
             if valid:
                 slot = Int64(args.slot_mapping[r])
                 position = Int64(args.positions[r])
+            ids.append((r, valid, slot, position))
+        self.wait_for_producer()
+        rows = []
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            # every valid row, boundary or not: a compressed writer's small call does not wait for its
+            # positions to choose (that wait would cost more than the bytes); a large one's rows are the
+            # boundary rows its scan found
+            r, valid, slot, position = ids[u]
+            src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
+            if valid:
                 for s in range_constexpr(self.slots):
                     kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+            rows.append(frags)
+        loaded = []
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            r, valid, slot, position = ids[u]
             ok = slot >= 0
             if args.checked != 0:  # (a scanned row passed this check in the scan)
                 bad = self.bad_ids(slot, position, args)
@@ -357,9 +389,9 @@ class Kernel:
                     self.count_error(args)
                 ok = ok & cutlass.not_(bad)
             tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
-            rows.append((slot, ok, frags, tables))
+            loaded.append((slot, ok, rows[u], tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
-            slot, ok, frags, tables = rows[u]
+            slot, ok, frags, tables = loaded[u]
             if cute.arch.vote_any_sync(ok):  # a warp whose rows are all skipped (DP padding, rows a compressed writer drops) has no work
                 ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(self.slots)]
                 for s in range_constexpr(self.slots):
@@ -371,7 +403,8 @@ class Kernel:
                     for s in range_constexpr(self.slots):
                         ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
                 xr = [ys[s].load() for s in range(self.slots)]
-                block = Int64(Int32(slot) // args.block_size)  # a 32-bit division; 64-bit only for slots >= 2^31
+                # unsigned 32-bit (slot >= 0 wherever it is stored; no floor fix-ups); 64-bit for slots >= 2^31
+                block = Int64(cutlass.Uint32(slot) // cutlass.Uint32(args.block_size))
                 if slot > Int64(0x7FFFFFFF):
                     block = slot // Int64(args.block_size)
                 page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]

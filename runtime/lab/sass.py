@@ -8,7 +8,8 @@ can reach from the entry: a block is left out when it belongs to another kind of
 `pad_pass`, `kv_pass` of the generated module, read from the line info), to the compressed writers'
 group-boundary code (for a ratio of 1), or to code that runs only for rare inputs: a subroutine
 call (the IEEE division's slow path for denormal, huge or special operands; the 64-bit division of
-slots >= 2^31) and the global atomics of the error counter. Predicated-off instructions are issued
+slots >= 2^31), the global atomics of the error counter, and a warp-wide shuffle's fallback for a
+diverged warp (`BRA.DIV`'s target: the kernels shuffle in warp-uniform code). Predicated-off instructions are issued
 all the same and count. The union of reachable blocks is what a warp issues when its lanes take both
 sides of a branch (the rope tail vs the quantized vectors, the lanes that store a scale). The parity
 choices' code is warp-uniform: a block that lies wholly inside the body of an `if` that tests a
@@ -56,6 +57,7 @@ from .sass_reader import (  # noqa: F401  (the reader's public names, as this mo
 
 # ---- basic blocks and the reachable set ----------------------------------------------------------------
 _TARGET = re.compile(r"`\(([.$][\w.$]+)\)")
+_PREDICATE_OPERAND = re.compile(r"^!?U?P[0-7T]\s*,")
 COLD_OPCODES = re.compile(r"^(CALL|ATOMG|ATOM|REDG|RED)$")  # rare-input code: slow paths, error counts
 # the Kernel methods of each pass (a kv-only module's kv_pass hands its rows to kv_rows)
 PASSES = {"q_pass": "q_pass", "pad_pass": "pad_pass", "kv_pass": "kv_pass", "kv_rows": "kv_pass"}
@@ -97,12 +99,55 @@ def basic_blocks(instrs: list[Instruction], labels: dict[str, int]) -> list[Bloc
             if target is None or labels.get(target[1]) not in index:
                 raise SassError(f"branch without a known target at {last.address:#x}: {last.text}")
             succ.append(block_of[index[labels[target[1]]]])
-        fallthrough = last.base not in ("BRA", "EXIT", "RET") or bool(last.predicate)
+        # conditional: a predicate guard, a uniform predicate operand (`BRA.U !UP0, ...`), or BRA.DIV
+        # (taken only when the warp is diverged at a warp-wide shuffle or vote: to a fallback)
+        divergent = last.opcode.startswith("BRA.DIV")
+        conditional = bool(last.predicate) or divergent or bool(_PREDICATE_OPERAND.match(last.operands))
+        fallthrough = last.base not in ("BRA", "EXIT", "RET") or conditional
         if fallthrough and end < len(main):
             succ.append(block_of[end])
         cold = any(COLD_OPCODES.match(i.base) for i in body)
         blocks.append(Block(body, succ, cold=cold))
+    for (
+        block
+    ) in blocks:  # the diverged-warp fallbacks are rare-input code: this kernel's warps converge there
+        last = block.instrs[-1]
+        if last.opcode.startswith("BRA.DIV"):
+            blocks[block.succ[0]].cold = True
     return blocks
+
+
+_MEMORY = re.compile(r"^(LDG|STG|LD|ST|ATOMG|ATOM|REDG|RED)$")
+
+
+def before_wait(instrs: list[Instruction], labels: dict[str, int]) -> list[Instruction]:
+    """The global memory instructions that some path from the kernel's entry reaches before it passes
+    the PDL wait (griddepcontrol.wait, SASS `ACQBULK`): what a kernel may do while the previous kernel
+    still runs. Every path is followed (the greatest fixed point of "all predecessors have waited")."""
+    blocks = basic_blocks(instrs, labels)
+    preds: list[list[int]] = [[] for _ in blocks]
+    for b, block in enumerate(blocks):
+        for s in block.succ:
+            preds[s].append(b)
+    waits = [any(i.base == "ACQBULK" for i in block.instrs) for block in blocks]
+    waited = [b != 0 for b in range(len(blocks))]  # on entry to block b, every path has waited
+    changed = True
+    while changed:
+        changed = False
+        for b in range(1, len(blocks)):
+            now = all(waited[p] or waits[p] for p in preds[b]) if preds[b] else False
+            if now != waited[b]:
+                waited[b], changed = now, True
+    early = []
+    for b, block in enumerate(blocks):
+        if waited[b]:
+            continue
+        for ins in block.instrs:
+            if ins.base == "ACQBULK":
+                break
+            if _MEMORY.match(ins.base):
+                early.append(ins)
+    return early
 
 
 @functools.cache
