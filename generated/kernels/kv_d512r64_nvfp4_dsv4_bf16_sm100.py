@@ -386,10 +386,10 @@ class Kernel:
                         if s * self.row_lanes + sub < QUANT_VECTORS:  # (not the bf16 rope tail)
                             kl.add_zero(ys[s])
                 xr = [ys[s].load() for s in range(self.slots)]
-                # unsigned 32-bit (slot >= 0 wherever it is stored; no floor fix-ups); 64-bit for slots >= 2^31
+                # unsigned divisions (slot >= 0 wherever it is stored: no floor fix-ups), 64-bit only for slots >= 2^31
                 block = Int64(cutlass.Uint32(slot) // cutlass.Uint32(args.block_size))
                 if slot > Int64(0x7FFFFFFF):
-                    block = slot // Int64(args.block_size)
+                    block = Int64(cutlass.Uint64(slot) // cutlass.Uint64(args.block_size))
                 page = kl.base_address(args.k_cache) + block * args.k_cache.stride[0]
                 o = slot - block * Int64(args.block_size)
                 data = page + o * DATA_BYTES
