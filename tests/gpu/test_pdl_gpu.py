@@ -17,7 +17,7 @@ from .cases import Case, compare, describe_mismatch, make_inputs, run_reference
 
 pytestmark = pytest.mark.gpu
 
-N, BLOCK = 4096, 64  # the first kernel: a grid of 1024 CTAs, still running when the second one launches
+N, BLOCK = 4096, 64  # the first kernel: a grid of 1024 CTAs (each triggers its dependents as its last step)
 
 
 def chained_rows():
