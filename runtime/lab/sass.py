@@ -108,9 +108,8 @@ def basic_blocks(instrs: list[Instruction], labels: dict[str, int]) -> list[Bloc
             succ.append(block_of[end])
         cold = any(COLD_OPCODES.match(i.base) for i in body)
         blocks.append(Block(body, succ, cold=cold))
-    for (
-        block
-    ) in blocks:  # the diverged-warp fallbacks are rare-input code: this kernel's warps converge there
+    # the diverged-warp fallbacks are rare-input code: these kernels' warps converge at their shuffles
+    for block in blocks:
         last = block.instrs[-1]
         if last.opcode.startswith("BRA.DIV"):
             blocks[block.succ[0]].cold = True
