@@ -149,6 +149,11 @@ def assert_config_in_ptx(ptx: str, cfg: LaunchConfig) -> None:
         len(re.findall(r"griddepcontrol\.wait", ptx)),
     )
     assert (launches, waits >= kernels) == ((kernels, True) if cfg.pdl else (0, False))
+    if cfg.pdl:  # the trigger comes first: before any global access or wait of its kernel
+        for body in re.split(r"\.entry\b", ptx)[1:]:
+            trigger = body.index("griddepcontrol.launch_dependents")
+            first_access = re.search(r"\b(ld|st|atom|red)\.global\b|griddepcontrol\.wait", body)
+            assert first_access is None or trigger < first_access.start()
 
 
 # ---- 64-bit token offsets, by data flow in the PTX --------------------------------------------------

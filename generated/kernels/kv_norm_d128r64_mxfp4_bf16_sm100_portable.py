@@ -184,6 +184,10 @@ class Kernel:
             args = args._replace(numerics=Int32(self.cfg.folded_numerics))
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        if const_expr(self.cfg.pdl):
+            # let the next kernel launch now: its CTAs take SM slots this grid's started CTAs do not need,
+            # read their ids, and wait in griddepcontrol.wait for this grid to complete
+            cute.arch.griddepcontrol_launch_dependents()
         lane = tidx % 32
         unit = bidx * self.cfg.warps_per_cta + tidx // 32  # this warp's unit
         if const_expr(self.cfg.persistent):
@@ -192,8 +196,6 @@ class Kernel:
                 self.one_pass(self.first_pass(w, schedule), lane, args, schedule, scan)
         else:
             self.one_pass(self.first_pass(unit, schedule), lane, args, schedule, scan)
-        if const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def wait_for_producer(self):
