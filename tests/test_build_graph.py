@@ -80,7 +80,7 @@ def _check_graph(root: Path, keys: list[tuple[Variant, KernelKey]], graph: Path)
         mine = shlex.split(e["vars"]["entries"])
         assert int(e["vars"]["count"]) == len(mine)
         vs = {expected[spec][0] for spec in mine}
-        assert {build.shard_of(v) for v in vs} == {e["vars"]["shard"]}
+        assert {build.shard_of(v) for v in vs} == {e["vars"]["shard"].split(".")[0]}  # (one group's part)
         assert set(e["inputs"]) == {str(compiler.module_path(v.name)) for v in vs} | {lib}
         # the edge's output is its stamp, never an entry: ninja deletes an interrupted edge's outputs
         assert e["outputs"] == [str(build.stamp_path(graph, e["vars"]["shard"]))]
@@ -122,10 +122,30 @@ def test_full_build_graph_is_complete(tmp_path):
         + sum(len(cs - {parse_name(v).arch.default_config}) for (v, _), cs in build.tuned_configs().items())
     )
     graph = root / "build" / "one" / "build.ninja"
-    build.write_graph(KernelCache(root), keys, graph)
+    build.write_graph(KernelCache(root), keys, graph, jobs=2)
     edges = _check_graph(root, keys, graph)
-    assert len(edges) == len({build.shard_of(v) for v, _ in keys})
+    # every group is in the graph, a large one in parts of at most a third of one job's share, and the
+    # edges come largest first (ninja starts them in that order)
+    counts = [int(e["vars"]["count"]) for e in edges]
+    assert {e["vars"]["shard"].split(".")[0] for e in edges} == {build.shard_of(v) for v, _ in keys}
+    assert len(edges) > len({build.shard_of(v) for v, _ in keys})
+    assert max(counts) <= -(-len(keys) // 6) and counts == sorted(counts, reverse=True)
     assert not list(root.rglob("meta.json"))  # writing the graph compiles nothing
+
+
+def test_shards_balance_for_the_jobs():
+    """More jobs, smaller parts; a small build stays one edge per group."""
+    keys = build.build_keys(variant_space())
+    groups = {build.shard_of(v) for v, _ in keys}
+    two, eight = build.balanced_shards(keys, 2), build.balanced_shards(keys, 8)
+    assert len(groups) < len(two) < len(eight)
+    for shards in (two, eight):
+        spec = lambda k: (k.variant, k.target, k.config.key)  # noqa: E731
+        assert sorted(spec(k) for items in shards.values() for _, k in items) == sorted(
+            spec(k) for _, k in keys
+        )
+    few = keys[:16]  # (no part is cut below 16 entries)
+    assert len(build.balanced_shards(few, 2)) == len({build.shard_of(v) for v, _ in few})
 
 
 @pytest.mark.slow

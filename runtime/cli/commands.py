@@ -4,6 +4,7 @@ when it runs."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from .options import matches
@@ -124,6 +125,19 @@ def cmd_build(args) -> int:
             return 2
     cache = _cache(args)
     print(f"build: {len(variants)} variants -> {cache.root}")
+    # the native parts compile beside the kernels (a C++ compile of ~15 s on one core would otherwise
+    # run alone after them); their lines are printed once the kernels are done
+    native_lines: list[str] = []
+    native_failure: list[BaseException] = []
+
+    def native_parts() -> None:
+        try:
+            _build_native(cache.root, native_lines.append)
+        except BaseException as exc:  # raised again below, in this thread
+            native_failure.append(exc)
+
+    native_build = threading.Thread(target=native_parts, daemon=True)
+    native_build.start()
     r = build.run(
         cache,
         jobs=args.jobs,
@@ -141,7 +155,10 @@ def cmd_build(args) -> int:
     )
     if args.report:
         build.write_report(r["entries"], Path(args.report))
-    _build_native(cache.root)
+    native_build.join()
+    print("\n".join(native_lines))
+    if native_failure:
+        raise native_failure[0]
     return 0
 
 
@@ -160,24 +177,24 @@ def _print_native(root: Path) -> None:
         print(f"  native {part}: {path if path is not None else why}")
 
 
-def _build_native(root: Path) -> None:
+def _build_native(root: Path, say=print) -> None:
     """The native fast path and the C++ torch-op kernels (`root`/native/): without a C/C++ compiler the
-    Python paths serve, so a failure is reported, not fatal."""
+    Python paths serve, so a failure is reported (through `say`), not fatal."""
     import time
 
     from .. import native
 
     if not native.enabled():
-        print(f"build: native parts skipped ({native.ENV_NATIVE}=0)")
+        say(f"build: native parts skipped ({native.ENV_NATIVE}=0)")
         return
     for part in native.PARTS:
         t0 = time.perf_counter()
         try:
             path = native.build(part, root)
         except native.NativeBuildError as exc:
-            print(f"build: native {part} NOT built (the Python path serves instead): {exc}")
+            say(f"build: native {part} NOT built (the Python path serves instead): {exc}")
             continue
-        print(f"build: native {part} -> {path} ({time.perf_counter() - t0:.1f}s)")
+        say(f"build: native {part} -> {path} ({time.perf_counter() - t0:.1f}s)")
 
 
 def cmd_cache(args) -> int:
