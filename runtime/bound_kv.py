@@ -62,7 +62,7 @@ class BoundKvOp(SlotWidthCalls):
             numerics=flags, compress_ratio=compress_ratio, **({"eps": self.eps} if norm_weight is not None else {}),
         )  # fmt: skip
         self._calls_by_dtype: dict = {}
-        self._launch_args = {"numerics": flags}
+        self._launch_args = {"numerics": flags, "compress_ratio": compress_ratio}
         self._use_slot_dtype(torch.int64)  # binds (and self-tests) now: UnsupportedError early
         self._k_cache, self._k_range, self._fast = None, (0, 0), None
         self._fixed = tuple(overlap.byte_range(t) for t in (norm_weight, kv_scale) if t is not None)

@@ -167,7 +167,7 @@ class Runtime:
         return use
 
     def tuning_table(self, device: torch.device | int | None = None) -> dict:
-        """(variant, bucket) -> {(heads, heads written): LaunchConfig} tuned on a GPU like this one
+        """(variant, bucket) -> {(heads, heads written, compress ratio): LaunchConfig} tuned on a GPU like this one
         (empty without such entries)."""
         facts = self.device(device)
         table = self._tuning_tables.get(facts.index)
@@ -189,10 +189,12 @@ class Runtime:
         n_tokens: int,
         heads: int | None,
         written: int | None,
+        compress_ratio: int = 1,
     ) -> LaunchConfig:
-        """The tuned config of n_tokens' bucket at (heads, heads written) or the nearest, else the default."""
+        """The tuned config of n_tokens' bucket at (heads, heads written) or the nearest, of the call's
+        compress ratio or else of ratio 1 (tuning.pick), else the default."""
         tuned = self.tuning_table(device).get((v.name, 1 << bucket_index(n_tokens)))
-        return tuning.pick(tuned, heads, written) or v.arch.default_config
+        return tuning.pick(tuned, heads, written, compress_ratio) or v.arch.default_config
 
     def launcher(
         self, v: Variant, config: LaunchConfig, device: torch.device | int | None = None
@@ -231,6 +233,7 @@ class Runtime:
         config: LaunchConfig | None = None,
         slots32: bool = False,
         numerics: int | None = None,
+        compress_ratio: int = 1,
     ) -> tuple[Launcher, ...]:
         """The launcher of every token-count bucket (index = bucket_index(n)); `config` forces one.
         slots32: compiled for int32 slot ids (the same tuned configs, the other slot width). numerics:
@@ -244,7 +247,8 @@ class Runtime:
                 f"row_split {v.row_splits} (only the plain KV writers of D >= 512 split a row)"
             )
         configs = [
-            config or self.config(v, facts.index, 1 << i, heads, written) for i in range(MAX_BUCKET_LOG2 + 1)
+            config or self.config(v, facts.index, 1 << i, heads, written, compress_ratio)
+            for i in range(MAX_BUCKET_LOG2 + 1)
         ]
         bits = v.format.numerics_flags() if numerics is None else numerics
         return tuple(

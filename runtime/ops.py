@@ -343,7 +343,7 @@ def kv_rope_insert(
         if shape is None:
             launchers = rt.launchers(
                 _with_conversions(request, conversions), device, config=config,
-                slots32=slot_mapping.dtype == torch.int32, numerics=flags,
+                slots32=slot_mapping.dtype == torch.int32, numerics=flags, compress_ratio=compress_ratio,
             )  # fmt: skip
             tensors = ("kv", "norm_weight", *KV_TENSORS[1:]) if norm else KV_TENSORS
             values = dict(

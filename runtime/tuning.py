@@ -2,10 +2,12 @@
 
 A database is JSON: {"format": 1, "entries": [...]}; each entry is keyed by the GPU (name, SM
 count, compute capability, driver), the package and DSL versions, the variant, a token-count
-bucket (powers of two) and the Q head counts it was tuned at (H live heads, P heads written: the
-tuner writes the pad heads), and holds the best launch-config key with its timing. A call uses the
-entry tuned at its (H, heads written), else the nearest one: the KV rows' share of the work and
-the share of pad zeroing change which config wins. Loading checks the metadata against the running
+bucket (powers of two), the Q head counts it was tuned at (H live heads, P heads written: the
+tuner writes the pad heads) and the compress ratio of the calls it timed (1 where the entry does not
+say), and holds the best launch-config key with its timing. A call uses the entries of its compress
+ratio, else those of ratio 1 (a compressed writer inserts one row in r, which changes which config
+wins); among them, the entry tuned at its (H, heads written), else the nearest one: the KV rows'
+share of the work and the share of pad zeroing change which config wins. Loading checks the metadata against the running
 environment: a mismatch is reported and ignored unless forced; a corrupt file is reported and
 ignored. Runs merge into one file.
 """
@@ -193,6 +195,7 @@ class TuningDatabase:
                 e["bucket"],
                 e.get("heads", DEFAULT_HEADS),
                 e.get("padded_heads", e.get("heads", DEFAULT_HEADS)),
+                e.get("compress_ratio", 1),
             )
 
         index = {ident(e): i for i, e in enumerate(self.entries)}
@@ -207,8 +210,8 @@ class TuningDatabase:
     # ---- lookup ---------------------------------------------------------------------------------
     def table_for(
         self, env: Environment, *, force: bool = False
-    ) -> dict[tuple[str, int], dict[tuple[int, int], LaunchConfig]]:
-        """(variant, bucket) -> {(heads, heads written): config} for this environment. Entries for
+    ) -> dict[tuple[str, int], dict[tuple[int, int, int], LaunchConfig]]:
+        """(variant, bucket) -> {(heads, heads written, compress ratio): config} for this environment. Entries for
         another GPU, SM count, capability, package or DSL version are reported once and ignored
         unless force=True."""
         table, mismatched = {}, set()
@@ -219,7 +222,8 @@ class TuningDatabase:
                 mismatched.add((e.get("gpu"), tuple(diff)))
                 continue
             heads = int(e.get("heads", DEFAULT_HEADS))
-            shape = (heads, int(e.get("padded_heads", heads)))  # (validated on load: positive ints)
+            # (validated on load: positive ints)
+            shape = (heads, int(e.get("padded_heads", heads)), int(e.get("compress_ratio", 1)))
             table.setdefault((e["variant"], int(e["bucket"])), {})[shape] = LaunchConfig.from_key(e["config"])
         if mismatched and not table:
             note = (
@@ -247,8 +251,9 @@ def entry_problem(e) -> str | None:
     ):
         if not isinstance(e.get(field), kind):
             return f"{field} must be a string, got {e.get(field)!r}"
-    for field in ("bucket", "sms", "heads", "padded_heads"):
-        value = e.get(field, 1 if field in ("heads", "padded_heads") else None)  # head counts may be absent
+    for field in ("bucket", "sms", "heads", "padded_heads", "compress_ratio"):
+        # head counts and the compress ratio may be absent
+        value = e.get(field, 1 if field in ("heads", "padded_heads", "compress_ratio") else None)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= 1 << 20:
             return f"{field} must be a positive integer, got {value!r}"
     if e.get("bucket") & (e.get("bucket") - 1):
@@ -270,13 +275,25 @@ def _no_constants(name: str):
 
 
 def pick(
-    tuned: dict[tuple[int, int], LaunchConfig] | None, heads: int | None, written: int | None = None
+    tuned: dict[tuple[int, int, int], LaunchConfig] | None,
+    heads: int | None,
+    written: int | None = None,
+    compress_ratio: int = 1,
 ) -> LaunchConfig | None:
-    """The config tuned at (heads, written) Q heads, else the nearest tuned pair (sum of the log2
-    ratios; a tie takes the larger counts); the largest when heads is None (ops without Q). None
-    without entries. `written` defaults to heads (pads not written)."""
-    if not tuned:
-        return None
+    """Among the entries of this compress ratio (else of ratio 1), the config tuned at (heads,
+    written) Q heads, else the nearest tuned pair (sum of the log2 ratios; a tie takes the larger
+    counts); the largest when heads is None (ops without Q). None without such entries. `written`
+    defaults to heads (pads not written)."""
+    for ratio in (compress_ratio, 1):
+        same = {shape[:2]: c for shape, c in (tuned or {}).items() if shape[2] == ratio}
+        if same:
+            return _nearest_heads(same, heads, written)
+    return None
+
+
+def _nearest_heads(
+    tuned: dict[tuple[int, int], LaunchConfig], heads: int | None, written: int | None
+) -> LaunchConfig:
     if heads is None:
         return tuned[max(tuned)]
     want = (heads, written or heads)

@@ -1,24 +1,20 @@
 """What the compiler emits for every built kernel, read from its PTX and cubin: 128-bit global
 accesses, native conversions only in native modules, no local memory, the launch config compiled in,
-64-bit token offsets (by data flow), the exported signature's shared token count; and every launch
-knob compiles on every arch."""
+64-bit token offsets (by data flow), the exported signature's shared token count (every launch knob
+on every arch: test_emitted_knobs.py)."""
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import re
-import subprocess
-import sys
 
 import pytest
 from attn_prologue.codegen.plan import make_plan
 from attn_prologue.formats import ElementCode, ScaleCode
-from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.launch import LaunchConfig
-from attn_prologue.variants import DEFAULT_BUILD_TARGETS, TARGETS, Conversions, Op, QOut, Variant, parse_name
+from attn_prologue.variants import Conversions, Op, QOut, Variant
 
-from .support.build import ENTRIES, ENTRY_IDS, REPO, meta_of, ptx_of
+from .support.build import ENTRIES, ENTRY_IDS, meta_of, ptx_of
 
 
 # ---- PTX and cubin facts, per entry ----------------------------------------------------------------
@@ -361,115 +357,3 @@ def test_compiled_function_checks_equal_token_counts(built, v, key):
         assert len({dims[b"q_in"], dims[b"slot_mapping"], dims[b"q_out"]}) == 3, spec.group(1)
     else:
         assert dims[b"kv"] != dims[b"positions"], spec.group(1)
-
-
-# ---- every launch knob compiles on every arch ------------------------------------------------------
-KNOB_VARIANTS = [
-    "qkv_d512r64_fp8_ds_mla_bf16_sm90",
-    "qkv_d512r64_fp8_ds_mla_bf16_sm100",
-    "qkv_d512r64_fp8_ds_mla_bf16_sm120",
-]
-
-
-@pytest.mark.slow
-def test_every_launch_knob_compiles_on_every_arch(tmp_path):
-    """The GPU suite's knob configs (run there against the reference on sm_90a) compile for SM100 and
-    SM120 too, with the knobs visible in the PTX and no local memory."""
-    from tests.gpu.cases import CONFIG_KEYS
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "attn_prologue",
-        "build",
-        "--cache-dir",
-        str(tmp_path),
-        "--targets",
-        "sm_90a,sm_100a,sm_120a",
-        "--config",
-        ",".join(CONFIG_KEYS),
-        "--variants",
-        *KNOB_VARIANTS,
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    cache = KernelCache(tmp_path)
-    for variant in KNOB_VARIANTS:
-        target = parse_name(variant).arch.targets[0]
-        ptxs = {}
-        keys = [
-            k for k in CONFIG_KEYS if LaunchConfig.from_key(k).row_split in parse_name(variant).row_splits
-        ]
-        for key in keys:
-            cfg = LaunchConfig.from_key(key)
-            k = KernelKey(variant, cfg, target)
-            meta = cache.read_meta(k)
-            assert meta is not None and meta["config"] == key, (variant, key)
-            ptx = (cache.entry_dir(k) / "kernel.ptx").read_text()
-            assert_config_in_ptx(ptx, cfg)
-            assert ("ld.global.nc" in ptx) == cfg.non_coherent
-            assert meta["ptx"]["local_memory"] is False and meta["resources"]["frame_bytes"] == 0, (
-                variant,
-                key,
-            )
-            ptxs[key] = ptx
-        assert len(set(ptxs.values())) == len(
-            keys
-        )  # every knob changes the code (row_split: tests/test_row_split.py)
-        # lean_quant: the scale quotient amax / 448 by a reciprocal and a correction, not div.rn.f32
-        divisions = {key: ptx.count("div.rn.f32") for key, ptx in ptxs.items()}
-        lean = [key for key in keys if LaunchConfig.from_key(key).lean_quant]
-        assert lean and all(divisions[k] < divisions[keys[0]] for k in lean), divisions
-
-
-@pytest.mark.parametrize("target", [t for t in TARGETS if t not in DEFAULT_BUILD_TARGETS])
-@pytest.mark.parametrize(
-    "variant",
-    [
-        "qkv_d512r64_fp8_ds_mla_bf16_sm100",
-        "kv_d128r64_mxfp4_fp16_sm100",
-        "qkv_q8_d512r64_mxfp8_bf16_sm100_portable",
-    ],
-)
-def test_targets_built_on_request_emit_what_the_others_do(tmp_path, variant, target):
-    """sm_103a (B300) and sm_110a (Thor) are built only on request: the SM100 modules compile for them
-    to the same global accesses and conversions as for sm_100a, with no local memory."""
-    v = parse_name(variant)
-    cache = KernelCache(tmp_path)
-    extra = cache.ensure_built(KernelKey(variant, v.arch.default_config, target))
-    base = cache.ensure_built(KernelKey(variant, v.arch.default_config, "sm_100a"))
-    ptx = (cache.entry_dir(KernelKey(variant, v.arch.default_config, target)) / "kernel.ptx").read_text()
-    assert re.search(rf"^\.target {target}$", ptx, re.M)
-    facts, res = extra["ptx"], extra["resources"]
-    for fact in ("global_access_bits", "cvt_ue8m0x2", "cvt_e2m1x2", "cvt_e4m3x2", "griddepcontrol"):
-        assert facts[fact] == base["ptx"][fact], fact
-    assert facts["max_load_bits"] == 128
-    assert not facts["local_memory"] and not res["local_sections"] and res["frame_bytes"] == 0
-    native = v.conversions is Conversions.NATIVE
-    assert (facts["cvt_ue8m0x2"] > 0) == (native and v.format.scale is ScaleCode.UE8M0)
-    assert (facts["cvt_e2m1x2"] > 0) == (native and v.format.element is ElementCode.E2M1)
-
-
-@pytest.mark.parametrize(
-    "variant",
-    ["kv_d512r64_nvfp4_v41_bf16_sm120", "qkv_qi_d512r64_mxfp8_bf16_sm100", "kv_norm_d128r64_mxfp4_bf16_sm90"],
-)
-def test_int32_slot_ids_compile_to_a_32_bit_slot_load(tmp_path, variant):
-    """Int32 slot ids are a compile-time width of the same module (LaunchConfig.slots32): the slot is
-    read with a sign-extending 32-bit load, and every other global access is what the int64 build has."""
-    v = parse_name(variant)
-    cache = KernelCache(tmp_path)
-    target = v.arch.targets[0]
-    keys = [
-        KernelKey(variant, c, target)
-        for c in (v.arch.default_config, dataclasses.replace(v.arch.default_config, slots32=True))
-    ]
-    wide, narrow = (cache.ensure_built(k) for k in keys)
-    ptx_wide, ptx_narrow = ((cache.entry_dir(k) / "kernel.ptx").read_text() for k in keys)
-    assert "ld.global.s32" in ptx_narrow and "ld.global.s32" not in ptx_wide
-    assert narrow["resources"]["frame_bytes"] == 0 and narrow["ptx"]["local_memory"] is False
-
-    def others(meta):
-        return {k: n for k, n in meta["ptx"]["global_access_bits"].items() if k not in ("ld.32", "ld.64")}
-
-    assert others(narrow) == others(wide)

@@ -164,6 +164,15 @@ def test_tune_entries_take_the_fastest_config_per_bucket():
     ]
     # each entry says which run chose it; the GPU and the versions are already its key fields
     assert all(r["provenance"] == {k: ORIGIN[k] for k in tune.ENTRY_PROVENANCE} for r in rows)
+    assert not any("compress_ratio" in r for r in rows)  # ratio 1: left out, as in every older entry
+    # a sweep of compressed calls says its ratio, and the database keeps it beside the ratio-1 entry
+    r4 = tune.entries(sweep, [v], [1], ENV, 64, 64, provenance=ORIGIN, compress_ratio=4)
+    assert [(r["bucket"], r["compress_ratio"]) for r in r4] == [(1, 4)]
+    db = tuning.TuningDatabase(rows)
+    db.merge(r4)
+    assert len(db.entries) == 3
+    # and the tuner times the ratio it was given
+    assert tune.shape_for("kv_d512r64_fp8_ds_mla_bf16_sm90", 2048, 64, 64, compress_ratio=4).compress_ratio == 4
 
 
 def test_target_checker_on_a_synthetic_bench_file():

@@ -44,7 +44,7 @@ def test_database_round_trip_merge_and_lookup(tmp_path):
     assert len(again.entries) == 3
     table = again.table_for(ENV)
     assert table[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == {
-        (64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0")
+        (64, 64, 1): LaunchConfig.from_key("w16_u1_pdl1_nc0")
     }
     assert json.loads(path.read_text())["format"] == tuning.DB_FORMAT
     # entries tuned at other head counts are kept beside it, not merged over it
@@ -55,10 +55,18 @@ def test_database_round_trip_merge_and_lookup(tmp_path):
         ]
     )
     assert again.table_for(ENV)[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)] == {
-        (64, 64): LaunchConfig.from_key("w16_u1_pdl1_nc0"),
-        (16, 16): LaunchConfig.from_key("w4_u1_pdl1_nc1"),
-        (8, 64): LaunchConfig.from_key("w2_u2_pdl0_nc0"),
+        (64, 64, 1): LaunchConfig.from_key("w16_u1_pdl1_nc0"),
+        (16, 16, 1): LaunchConfig.from_key("w4_u1_pdl1_nc1"),
+        (8, 64, 1): LaunchConfig.from_key("w2_u2_pdl0_nc0"),
     }
+    # and entries timed at a compress ratio beside those of ratio 1
+    again.merge(
+        [entry(64, "w8_u1_pdl1_nc1", compress_ratio=4), entry(64, "w2_u1_pdl1_nc1", compress_ratio=4)]
+    )
+    assert again.table_for(ENV)[("qkv_d512r64_fp8_ds_mla_bf16_sm90", 64)][
+        (64, 64, 4)
+    ] == LaunchConfig.from_key("w2_u1_pdl1_nc1")
+    assert len(again.entries) == 6
 
 
 def test_lookup_takes_the_nearest_tuned_head_counts():
@@ -66,7 +74,12 @@ def test_lookup_takes_the_nearest_tuned_head_counts():
         LaunchConfig.from_key(k)
         for k in ("w4_u1_pdl1_nc1", "w8_u1_pdl1_nc1", "w2_u1_pdl1_nc1", "w16_u1_pdl0_nc0")
     )
-    tuned = {(16, 16): a, (64, 64): b, (128, 128): c, (8, 64): d}  # (live heads, heads written)
+    tuned = {
+        (16, 16, 1): a,
+        (64, 64, 1): b,
+        (128, 128, 1): c,
+        (8, 64, 1): d,
+    }  # (live heads, heads written, r)
     assert [tuning.pick(tuned, h) for h in (16, 64, 128)] == [a, b, c]
     assert tuning.pick(tuned, 8, 64) == d  # pads written: the (8, 64) entry
     assert (
@@ -77,6 +90,51 @@ def test_lookup_takes_the_nearest_tuned_head_counts():
     assert tuning.pick(tuned, 4096) == c
     assert tuning.pick(tuned, None) == c  # no Q heads (KV ops): the largest
     assert tuning.pick({}, 16) is None and tuning.pick(None, 16) is None
+
+
+def test_lookup_takes_the_entries_of_the_call_compress_ratio():
+    """A compressed writer's call uses the entries timed at its ratio, else those of ratio 1; never
+    another ratio's."""
+    plain, r4, r2 = (
+        LaunchConfig.from_key(k) for k in ("w2_u1_pdl1_nc1", "w16_u1_pdl1_nc1", "w8_u1_pdl1_nc1")
+    )
+    tuned = {(64, 64, 1): plain, (64, 64, 4): r4}
+    assert [tuning.pick(tuned, None, None, r) for r in (1, 4, 2)] == [plain, r4, plain]
+    assert tuning.pick({(64, 64, 2): r2}, None, None, 4) is None  # only another ratio's: the default
+    assert tuning.pick({(64, 64, 2): r2}, None) is None
+
+
+def test_dispatch_binds_a_compressed_writer_to_its_ratio_entry(tmp_path):
+    """The launchers of a KV-only writer: the r = 4 entries for r = 4 calls, the r = 1 entries for
+    calls of ratio 1 and of a ratio with no entries (2), the arch default where neither exists."""
+    env = tuning.environment_for("NVIDIA H200", 132, (9, 0))
+    v = "kv_d512r64_fp8_ds_mla_bf16_sm90"
+    db = tuning.TuningDatabase(
+        [
+            {**env.as_dict(), "variant": v, "bucket": 64, "config": "w2_u1_pdl1_nc1", "us": 1.0},
+            {**env.as_dict(), "variant": v, "bucket": 64, "config": "w16_u1_pdl1_nc1", "us": 1.0, "compress_ratio": 4},
+            {**env.as_dict(), "variant": v, "bucket": 2048, "config": "w8_u1_pdl1_nc1", "us": 1.0, "compress_ratio": 4},
+        ]
+    )  # fmt: skip
+    rt = dispatch.Runtime(
+        cache=RecordingCache(tmp_path), tuning_db=db.save(tmp_path / "db.json"), device_facts=fake_device()
+    )
+    req = Request(Op.KV, 512, 64, "fp8_ds_mla", IoDtype.BF16)
+    at = {r: rt.launchers(req, 0, compress_ratio=r) for r in (1, 2, 4)}
+    assert [at[r][dispatch.bucket_index(64)].config.key for r in (1, 2, 4)] == [
+        "w2_u1_pdl1_nc1", "w2_u1_pdl1_nc1", "w16_u1_pdl1_nc1",
+    ]  # fmt: skip
+    assert at[4][dispatch.bucket_index(2048)].config.key == "w8_u1_pdl1_nc1"
+    assert at[1][dispatch.bucket_index(2048)].config == ArchFamily.SM90.default_config
+
+
+def test_a_bad_compress_ratio_entry_is_skipped(tmp_path):
+    path = tmp_path / "db.json"
+    good, bad = entry(64, "w2_u1_pdl1_nc1", compress_ratio=4), entry(64, "w2_u1_pdl1_nc1", compress_ratio=0)
+    path.write_text(json.dumps({"format": tuning.DB_FORMAT, "entries": [good, bad]}))
+    with pytest.warns(tuning.TuningDatabaseWarning, match="compress_ratio must be a positive integer"):
+        db = tuning.TuningDatabase.load(path)
+    assert db.entries == [good]
 
 
 def test_an_untuned_gpu_is_noted_once_not_warned_and_ignored_unless_forced(tmp_path, caplog, recwarn):

@@ -129,6 +129,11 @@ def build_parser() -> o.Parser:
     )
     s.add_argument("--heads", type=o.count(1), default=64, help="H: live Q heads the entries are tuned at")
     s.add_argument("--padded-heads", type=o.count(1), default=64, help="P: heads written (pads included)")
+    s.add_argument(
+        "--compress-ratio", type=o.count(1), default=1,
+        help="time the compressed writers' calls at this ratio (KV-only variants of formats that take it); "
+        "their entries serve calls of that ratio",
+    )  # fmt: skip
     s.add_argument("--jobs", type=o.count(1), help="compile processes (default: CPU count)")
     s.add_argument(
         "--replays", type=o.count(1), default=15, help="CUDA-graph replays per timing (median taken)"

@@ -89,7 +89,7 @@ class Shape:
         qkv = self.op == "qkv"
         written = (self.h if self.zero_once else self.p) if qkv else None
         v = rt.variant(self.request)
-        cfg = rt.config(v, None, self.n, self.h if qkv else None, written)
+        cfg = rt.config(v, None, self.n, self.h if qkv else None, written, self.compress_ratio)
         cfg = replace(
             cfg,
             lean_quant=cfg.lean_quant or self.lean_quant,

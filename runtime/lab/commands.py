@@ -129,8 +129,16 @@ def run_tune(args) -> int:
         if parse_name(n).arch is arch and parse_name(n).conversions is arch.default_conversions
     )
     names = [n for n in names if not args.variants or any(n.startswith(w) for w in args.variants)]
+    if args.compress_ratio != 1:  # the compressed writers: KV-only modules of a format that takes it
+        names = [
+            n
+            for n in names
+            if not parse_name(n).op.has_q
+            and args.compress_ratio in get_format(parse_name(n).cache_format).compress_ratios
+        ]
     if not names:
-        print(f"tune: no {arch.value} variant matches {args.variants}")
+        ratio = f" writing compress ratio {args.compress_ratio}" if args.compress_ratio != 1 else ""
+        print(f"tune: no {arch.value} variant{ratio} matches {args.variants}")
         return 1
     buckets = args.buckets or tuning.default_buckets(args.max_tokens)
     if args.configs:
@@ -146,10 +154,14 @@ def run_tune(args) -> int:
     )
     origin = provenance()
     sweep = tune.run(
-        names, buckets, configs, h=args.heads, p=args.padded_heads, jobs=args.jobs, replays=args.replays
-    )
+        names, buckets, configs, h=args.heads, p=args.padded_heads, compress_ratio=args.compress_ratio,
+        jobs=args.jobs, replays=args.replays,
+    )  # fmt: skip
     env = tuning.current_environment()
-    new = tune.entries(sweep, names, buckets, env, args.heads, args.padded_heads, provenance=origin)
+    new = tune.entries(
+        sweep, names, buckets, env, args.heads, args.padded_heads, provenance=origin,
+        compress_ratio=args.compress_ratio,
+    )  # fmt: skip
     db_path = Path(args.db) if args.db else tuning.database_path()
     tuning.TuningDatabase.merge_into(db_path, new)
     print(f"\n{'variant':44} {'T':>6} {'best config':>16} {'us':>9} {'default us':>10} {'gain':>6}")

@@ -69,11 +69,14 @@ def prune(configs: list[LaunchConfig]) -> list[LaunchConfig]:
     return out
 
 
-def shape_for(variant: str, n: int, h: int, p: int, block_size: int = 64) -> bench.Shape:
+def shape_for(
+    variant: str, n: int, h: int, p: int, block_size: int = 64, compress_ratio: int = 1
+) -> bench.Shape:
     v = parse_name(variant)
     return bench.Shape(
         n=n, h=h, p=p, head_dim=v.head_dim, rope_dim=v.rope_dim, cache_format=v.cache_format,
         block_size=block_size, op=v.op.value, dtype=v.io_dtype.value, q_fp8=v.q_out is QOut.FP8,
+        compress_ratio=compress_ratio,
     )  # fmt: skip
 
 
@@ -113,11 +116,14 @@ def run(
     *,
     h: int = 64,
     p: int = 64,
+    compress_ratio: int = 1,
     jobs: int | None = None,
     replays: int = 15,
     cache=None,
     log: Callable[[str], None] = print,
 ) -> Sweep:
+    """Time every (variant, config, bucket); compress_ratio > 1 times the variants' compressed calls
+    (KV-only modules of a format that takes that ratio)."""
     cache = cache or dispatch.default_runtime().cache
     target = dispatch.default_runtime().device().target
     configs = prune(configs)
@@ -138,7 +144,9 @@ def run(
                 us = math.inf
                 if err is None:
                     try:
-                        us = time_config(variant, config, b, h=h, p=p, replays=replays)
+                        us = time_config(
+                            variant, config, b, h=h, p=p, replays=replays, compress_ratio=compress_ratio
+                        )
                     except Exception as exc:
                         err = f"{type(exc).__name__}: {exc}"
                 if err is not None:
@@ -156,8 +164,10 @@ def run(
     return sweep
 
 
-def time_config(variant: str, config: LaunchConfig, n: int, *, h: int, p: int, replays: int) -> float:
-    shape = shape_for(variant, n, h, p)
+def time_config(
+    variant: str, config: LaunchConfig, n: int, *, h: int, p: int, replays: int, compress_ratio: int = 1
+) -> float:
+    shape = shape_for(variant, n, h, p, compress_ratio=compress_ratio)
     nsets = bench.sets_for_cold_l2(shape)
     sets = bench.input_sets(shape, nsets)
     # fewer replays for long calls: ~30 ms of GPU time per measurement is plenty
@@ -174,9 +184,18 @@ ENTRY_PROVENANCE = ("date", "git_commit", "git_dirty", "command")
 
 
 def entries(
-    sweep: Sweep, variants: list[str], buckets: list[int], env, h: int, p: int, *, provenance: dict
+    sweep: Sweep,
+    variants: list[str],
+    buckets: list[int],
+    env,
+    h: int,
+    p: int,
+    *,
+    provenance: dict,
+    compress_ratio: int = 1,
 ) -> list[dict]:
-    """The tuning-database entries: the fastest config per (variant, bucket), failures left out."""
+    """The tuning-database entries: the fastest config per (variant, bucket), failures left out; an
+    entry timed at a compress ratio > 1 says so (`compress_ratio`), one at 1 leaves it out."""
     origin = {k: provenance[k] for k in ENTRY_PROVENANCE}
     out = []
     for v in variants:
@@ -193,6 +212,7 @@ def entries(
                     "us": round(us, 3),
                     "heads": h,
                     "padded_heads": p,
+                    **({"compress_ratio": compress_ratio} if compress_ratio != 1 else {}),
                     "provenance": origin,
                 }
             )
