@@ -172,7 +172,9 @@ def test_tune_entries_take_the_fastest_config_per_bucket():
     db.merge(r4)
     assert len(db.entries) == 3
     # and the tuner times the ratio it was given
-    assert tune.shape_for("kv_d512r64_fp8_ds_mla_bf16_sm90", 2048, 64, 64, compress_ratio=4).compress_ratio == 4
+    assert (
+        tune.shape_for("kv_d512r64_fp8_ds_mla_bf16_sm90", 2048, 64, 64, compress_ratio=4).compress_ratio == 4
+    )
 
 
 def test_target_checker_on_a_synthetic_bench_file():
