@@ -144,10 +144,10 @@ def write_graph(cache: KernelCache, keys: list[tuple[Variant, KernelKey]], path:
         "  description = compile $shard ($count kernels)",
         "",
     ]
-    lib = ninja_escape(str(compiler.kernel_lib_path()))
+    shared = [ninja_escape(str(path)) for path in compiler.shared_sources()]
     outputs = {}
     for shard, items in shards.items():
-        ins = sorted({ninja_escape(str(compiler.module_path(v.name))) for v, _ in items}) + [lib]
+        ins = sorted({ninja_escape(str(compiler.module_path(v.name))) for v, _ in items}) + shared
         entries = " ".join(shlex.quote(f"{k.variant}:{k.target}:{k.config.key}") for _, k in items)
         lines.append(f"build {ninja_escape(str(stamp_path(path, shard)))}: compile {' '.join(ins)}")
         lines.append(f"  entries = {entries}")

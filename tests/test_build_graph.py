@@ -74,14 +74,14 @@ def _check_graph(root: Path, keys: list[tuple[Variant, KernelKey]], graph: Path)
     specs = collections.Counter(spec for e in edges for spec in shlex.split(e["vars"]["entries"]))
     assert set(specs) == set(expected)
     assert all(n == 1 for n in specs.values()), [s for s, n in specs.items() if n > 1][:5]
-    lib = str(compiler.kernel_lib_path())
+    shared = {str(path) for path in compiler.shared_sources()}
     for e in edges:
         assert e["rule"] == "compile"
         mine = shlex.split(e["vars"]["entries"])
         assert int(e["vars"]["count"]) == len(mine)
         vs = {expected[spec][0] for spec in mine}
         assert {build.shard_of(v) for v in vs} == {e["vars"]["shard"].split(".")[0]}  # (one group's part)
-        assert set(e["inputs"]) == {str(compiler.module_path(v.name)) for v in vs} | {lib}
+        assert set(e["inputs"]) == {str(compiler.module_path(v.name)) for v in vs} | shared
         # the edge's output is its stamp, never an entry: ninja deletes an interrupted edge's outputs
         assert e["outputs"] == [str(build.stamp_path(graph, e["vars"]["shard"]))]
         assert not any(str(cache.root) in o and o.endswith("meta.json") for o in e["outputs"])

@@ -152,12 +152,14 @@ def test_cache_key_changes_with_the_source(tmp_path, monkeypatch, fresh_fingerpr
     name = BASES[0].name
     cfg = launch.LaunchConfig()
     module = tmp_path / f"{name}.py"
-    lib = tmp_path / "kernel_lib.py"
+    lib, base = tmp_path / "kernel_lib.py", tmp_path / "kernel_base.py"
     module.write_bytes(compiler.module_path(name).read_bytes())
     lib.write_bytes(compiler.kernel_lib_path().read_bytes())
+    base.write_bytes(compiler.kernel_base_path().read_bytes())
     real = _relpath(name, cfg, "sm_120a")
     monkeypatch.setattr(compiler, "module_path", lambda v: module)
     monkeypatch.setattr(compiler, "kernel_lib_path", lambda: lib)
+    monkeypatch.setattr(compiler, "kernel_base_path", lambda: base)
     compiler.source_hash.cache_clear()
     assert _relpath(name, cfg, "sm_120a") == real  # same bytes, same key
 
@@ -170,6 +172,10 @@ def test_cache_key_changes_with_the_source(tmp_path, monkeypatch, fresh_fingerpr
     compiler.source_hash.cache_clear()
     edited_lib = _relpath(name, cfg, "sm_120a")
     assert edited_lib not in (real, edited_module)
+
+    base.write_text(base.read_text() + "# an edit of the methods every Kernel inherits\n")
+    compiler.source_hash.cache_clear()
+    assert _relpath(name, cfg, "sm_120a") not in (real, edited_module, edited_lib)
 
 
 def test_cache_key_changes_with_the_dsl_version(monkeypatch, fresh_fingerprints):

@@ -11,6 +11,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from attn_prologue.device import kernel_lib as kl
+from attn_prologue.device.kernel_base import KernelBase
 from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr, range_constexpr
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
@@ -77,10 +78,12 @@ class Schedule(NamedTuple):
     spacing: Int32  # spread_kv: KV CTA k is CTA k * spacing
 
 
-class Kernel:
+class Kernel(KernelBase):
     """`Kernel(config)(*arguments, stream)` (arguments in `Variant.arguments` order) launches
     config.passes_per_warp passes per warp over the run-time token count. A pass is ROWS_PER_PASS
     rows of KV."""
+
+    TAIL_VECTOR, ROPE_DIM = TAIL_VECTOR, ROPE_DIM  # (read by KernelBase's shared methods)
 
     def __init__(self, config):
         if config.row_split not in ROW_SPLITS:
@@ -126,17 +129,6 @@ class Kernel:
         else:
             self.launch(self.kernel(args, schedule), grid, stream)
 
-    def launch(self, kernel, grid, stream):
-        kernel.launch(
-            grid=[grid, 1, 1],
-            block=[32 * self.cfg.warps_per_cta, 1, 1],
-            stream=stream,
-            use_pdl=self.cfg.pdl,
-            min_blocks_per_mp=self.cfg.min_ctas_per_sm,
-            # no shared memory: all of it as L1 (given with a register cap, the DSL would ask a GPU for the SM's size)
-            preferred_smem_carveout=0 if const_expr(self.cfg.min_ctas_per_sm) else None,
-        )
-
     @cute.kernel
     def kernel(self, args: Arguments, schedule: Schedule):
         self.run_units(args, schedule, False)
@@ -168,81 +160,10 @@ class Kernel:
             self.one_pass(self.first_pass(unit, schedule), lane, args, schedule, scan)
 
     @cute.jit
-    def wait_for_producer(self):
-        """PDL: wait for the previous kernel in the stream (its writes are then visible). A pass may read
-        what the caller prepared before that kernel (slots, positions, norm weights) before it; it reads
-        that kernel's outputs (kv, q_in, q_scale) and makes every write of its own after it."""
-        if const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_wait()
-
-    @cute.jit
-    def first_pass(self, w: Int32, schedule: Schedule) -> Int32:
-        """First pass of unit w. Units map to passes in pass order, or with spread_kv, whole CTAs
-        do: KV CTA k runs as CTA k * spacing and the Q CTAs fill the gaps (a CTA lives as long as
-        its slowest warp, so KV warps stay together)."""
-        u = w
-        if const_expr(self.cfg.spread_kv):
-            warps = self.cfg.warps_per_cta
-            kv_ctas = schedule.kv_passes // (self.cfg.passes_per_warp * warps)
-            cta = w // warps
-            k = cta // schedule.spacing
-            c = kv_ctas + cta - cutlass.min(k + 1, kv_ctas)  # Q CTAs before this one: CTAs minus KV CTAs up to it
-            if (cta == k * schedule.spacing) & (k < kv_ctas):
-                c = k
-            u = c * warps + (w - cta * warps)
-        return u * self.cfg.passes_per_warp
-
-    @cute.jit
     def one_pass(self, p: Int32, lane: Int32, args: Arguments, schedule: Schedule, scan: cutlass.Constexpr):
         """The passes p .. p + passes_per_warp - 1 of one warp (none for the warps past the last unit)."""
         if p < schedule.kv_passes:
             self.kv_pass(p, lane, args, scan)
-
-    @cute.jit
-    def load_tail_cos_sin(self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32, slots: int, lanes: int):
-        """cos/sin of this lane's pairs in [D - R, D) (zeros elsewhere), issued as early as possible;
-        its row's vector j is on lane j % lanes, slot j // lanes (of `slots`)."""
-        tables = []
-        for s in range_constexpr(slots):
-            cos = kl.zero_f32_vector(VEC // 2)
-            sin = kl.zero_f32_vector(VEC // 2)
-            if const_expr((s + 1) * lanes > TAIL_VECTOR):
-                j = s * lanes + sub
-                if ok & (j >= TAIL_VECTOR):
-                    kl.load_cos_sin_into(cos, sin, kl.base_address(cos_sin_cache), position, (j - TAIL_VECTOR) * (VEC // 2), ROPE_DIM, self.cfg.non_coherent)
-            tables.append((cos, sin))
-        return tables
-
-    @cute.jit
-    def rotate_tail(self, ys, tables, ok, sub: Int32, slots: int, lanes: int, odd_cos=False):
-        """RoPE on this lane's vectors that fall in [D - R, D), for rows with `ok` set (`odd_cos`:
-        RopeOrder.ODD_COS, a run-time Boolean on the KV path)."""
-        for s in range_constexpr(slots):
-            if const_expr((s + 1) * lanes > TAIL_VECTOR):
-                j = s * lanes + sub
-                if ok & (j >= TAIL_VECTOR):
-                    kl.rope_rotate(ys[s], tables[s][0], tables[s][1], odd_cos)
-
-    @cute.jit
-    def rotate_nope(self, ys, sub: Int32):
-        """NopeRotation.IDENTITY: this lane's vectors in [0, D - R) through the rotation with cos = 1,
-        sin = 0 (vLLM's V4.1 Triton writers): only signed zeros, NaN and Inf change."""
-        for s in range_constexpr(self.slots):
-            if const_expr(s * self.row_lanes < TAIL_VECTOR):
-                if s * self.row_lanes + sub < TAIL_VECTOR:
-                    kl.rope_identity(ys[s])
-
-    @cute.jit
-    def bad_ids(self, slot: Int64, position: Int64, args: Arguments):
-        """Checked mode: a row whose slot is past the cache or whose position is outside the table."""
-        capacity = Int64(args.k_cache.shape[0]) * Int64(args.block_size)
-        return (slot >= 0) & ((slot >= capacity) | (position < 0) | (position >= args.cos_sin_cache.shape[0]))
-
-    @cute.jit
-    def count_error(self, args: Arguments, counter: int = 0):
-        """Checked mode: one more bad row in errors[counter] (0: KV rows, 1: Q rows); a write, so after the wait."""
-        self.wait_for_producer()
-        cute.arch.atomic_add(kl.gmem_ptr(kl.base_address(args.errors), Int64(4 * counter), Int32, 4), Int32(1))
 
     @cute.jit
     def scan_window(self, compress_ratio: Int32, rows: Int32):

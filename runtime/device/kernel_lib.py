@@ -1,6 +1,7 @@
 """Device-side building blocks shared by every generated kernel module.
 
-Generated modules import this module and the DSL, nothing else from the package. Everything here
+Generated modules import this module, kernel_base (the methods every Kernel shares) and the DSL,
+nothing else from the package. Everything here
 is arch- and format-independent: what runs on the H200 through these functions is literally what
 runs on SM100 and SM120. The arch-specific pieces (UE8M0 and E2M1 conversions) are rendered into
 the generated modules that use them from templates/conversions/.

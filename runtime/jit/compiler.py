@@ -51,12 +51,23 @@ def kernel_lib_path() -> Path:
     return Path(__file__).parent.parent / "device" / "kernel_lib.py"
 
 
+def kernel_base_path() -> Path:
+    return Path(__file__).parent.parent / "device" / "kernel_base.py"
+
+
+def shared_sources() -> tuple[Path, ...]:
+    """What every generated module is compiled from besides itself: the device helpers and the
+    methods every Kernel inherits."""
+    return kernel_lib_path(), kernel_base_path()
+
+
 @functools.cache
 def source_hash(variant: str) -> str:
-    """sha256 of everything the compiled code is made from: the module and the shared helpers."""
+    """sha256 of everything the compiled code is made from: the module and the shared sources."""
     h = hashlib.sha256()
     h.update(module_path(variant).read_bytes())
-    h.update(kernel_lib_path().read_bytes())
+    for path in shared_sources():
+        h.update(path.read_bytes())
     return h.hexdigest()
 
 
