@@ -19,7 +19,7 @@ PAD_VECTORS_PER_LANE = 8  # pad heads are zeroed 4 KB per warp pass (32 lanes x 
 # Lanes per Q row in the chunk-interleaved layout. 8 puts a warp's 4 rows (adjacent heads of one token)
 # side by side in each 16-dim chunk, so a store writes 128-byte runs as head-major's do; on the H200 that
 # was 1.0-2.0 points of the copy faster at T >= 2048 and 8% slower at T = 1 (each lane's chain 4x longer:
-# results/experiments/bench-h200-writers-qi8.json), so the rows keep the 32 lanes of head-major's
+# results/experiments/bench-h200-writers-qi8.json.gz), so the rows keep the 32 lanes of head-major's
 INTERLEAVED_Q_LANES = 32
 # A compressed writer's call whose kv rows are at most this many bytes loads every row with its position
 # (one dependent DRAM round trip, r times the row bytes it needs); a larger one scans the positions first
