@@ -32,7 +32,7 @@ def wheel_name_parts(targets: list[str]) -> tuple[str, str]:
 
 
 def wheel_file_name(targets: list[str], version: str) -> str:
-    """The wheel `package` writes, e.g. attn_prologue_kernels_sm120a_sm121a-0.1.0-py3-none-linux_x86_64.whl."""
+    """The wheel `package` writes, e.g. attn_prologue_kernels_sm120f-0.1.0-py3-none-linux_x86_64.whl."""
     dist, _ = wheel_name_parts(targets)
     return f"{dist.replace('-', '_')}-{version}-py3-none-{_platform_tag()}.whl"
 

@@ -108,8 +108,8 @@ class ArchFamily(enum.Enum):
 
     @property
     def targets(self) -> tuple[str, ...]:
-        """Compile targets. A cubin for sm_120a does not load on sm_121a (GB10): build both."""
-        return tuple(t for fam, t in CAPABILITIES.values() if fam is self)
+        """Compile targets, one per distinct binary its GPUs need (sm_120f serves 12.0 and 12.1)."""
+        return tuple(dict.fromkeys(t for fam, t in CAPABILITIES.values() if fam is self))
 
     @property
     def has_native_block_conversions(self) -> bool:
@@ -126,22 +126,25 @@ class ArchFamily(enum.Enum):
 
 
 # compute capability -> (arch family, compile target): the one table the runtime dispatches on.
-# B300 (10.3) and Thor (11.0) run the SM100 modules: the DSL compiles them for sm_103a / sm_110a with
-# the native conversions (CI checks what is emitted), and a cubin for one "a" target loads on that
-# capability only, so each is its own target.
+# A cubin for an "a" target loads on that capability only. The SM120 GPUs (RTX 50xx and RTX PRO 6000
+# Blackwell at 12.0, GB10 at 12.1) share the family-specific target sm_120f, whose cubin loads on every
+# 12.x with x >= 0: ptxas emits the same SASS for it as for sm_120a and sm_121a (no instruction these
+# kernels use is specific to one of them: tests/test_emitted_knobs.py compares the three), so one
+# build serves both. B300 (10.3) and Thor (11.0) run the SM100 modules compiled for sm_103a / sm_110a,
+# each its own target: sm_103a's SASS is not sm_100a's.
 CAPABILITIES: dict[tuple[int, int], tuple[ArchFamily, str]] = {
     (9, 0): (ArchFamily.SM90, "sm_90a"),
     (10, 0): (ArchFamily.SM100, "sm_100a"),
     (10, 3): (ArchFamily.SM100, "sm_103a"),
     (11, 0): (ArchFamily.SM100, "sm_110a"),
-    (12, 0): (ArchFamily.SM120, "sm_120a"),
-    (12, 1): (ArchFamily.SM120, "sm_121a"),
+    (12, 0): (ArchFamily.SM120, "sm_120f"),
+    (12, 1): (ArchFamily.SM120, "sm_120f"),
 }
-TARGETS = tuple(t for _, t in CAPABILITIES.values())
+TARGETS = tuple(dict.fromkeys(t for _, t in CAPABILITIES.values()))
 # what `build` compiles unless told otherwise: each extra SM100 target adds ~90 kernels (~40 s on two
 # cores) for GPUs few deployments have; `build --targets sm_103a` prebuilds one, and without that a
 # B300 or Thor compiles what it binds on first use (seconds per kernel, then cached)
-DEFAULT_BUILD_TARGETS = ("sm_90a", "sm_100a", "sm_120a", "sm_121a")
+DEFAULT_BUILD_TARGETS = ("sm_90a", "sm_100a", "sm_120f")
 
 
 def did_you_mean(name: str, known) -> str:

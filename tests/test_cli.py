@@ -104,7 +104,7 @@ def test_help_imports_no_torch(command):
         (["simulate", "--tp", "-2"], "argument --tp: must be >= 1, not -2"),
         (["simulate", "--decode-steps", "x"], "argument --decode-steps: not a whole number: 'x'"),
         (["tune", "--buckets", "1,0"], "argument --buckets: must be >= 1, not 0"),
-        (["package-kernels", "--targets", "sm_12a"], "unknown target 'sm_12a' (did you mean sm_121a?)"),
+        (["package-kernels", "--targets", "sm_12a"], "unknown target 'sm_12a' (did you mean sm_120f?)"),
     ],
 )
 def test_a_mistyped_or_out_of_range_argument_is_refused_in_one_line(tmp_path, args, says):

@@ -40,7 +40,7 @@ def test_every_launch_knob_compiles_on_every_arch(tmp_path):
         "--cache-dir",
         str(tmp_path),
         "--targets",
-        "sm_90a,sm_100a,sm_120a",
+        "sm_90a,sm_100a,sm_120f",
         "--config",
         ",".join(CONFIG_KEYS),
         "--variants",
@@ -128,3 +128,29 @@ def test_int32_slot_ids_compile_to_a_32_bit_slot_load(tmp_path, variant):
         return {k: n for k, n in meta["ptx"]["global_access_bits"].items() if k not in ("ld.32", "ld.64")}
 
     assert others(narrow) == others(wide)
+
+
+# ---- one SM120 target for 12.0 and 12.1 ------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "kv_d512r64_nvfp4_v41_bf16_sm120",
+        "qkv_q8_qi_d512r64_mxfp8_bf16_sm120",
+        "kv_norm_d128r64_mxfp4_bf16_sm120",
+    ],
+)
+def test_the_family_target_emits_the_exact_targets_sass(variant):
+    """The dispatcher serves 12.0 and 12.1 GPUs with sm_120f cubins (their loader takes a family
+    cubin on every 12.x): its SASS must be what ptxas emits for sm_120a (RTX 50xx, RTX PRO 6000) and
+    for sm_121a (GB10), instruction for instruction, in every kernel of the module."""
+    from attn_prologue.lab import sass_reader
+
+    cfg = LaunchConfig.from_key("w4_u1_pdl1_nc1_cs")
+    kernels = ["kernel"] + ([] if parse_name(variant).op.has_q else ["scan_kernel"])
+    sass = {}
+    for target in ("sm_120f", "sm_120a", "sm_121a"):
+        cubin = sass_reader.line_info_cubin(variant, cfg, target)  # (the DSL takes any target it knows)
+        sass[target] = [[i.text for i in sass_reader.disassemble(cubin, k)[0]] for k in kernels]
+    assert all(len(body) > 100 for body in sass["sm_120f"])
+    assert sass["sm_120f"] == sass["sm_120a"] == sass["sm_121a"]

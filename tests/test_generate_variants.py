@@ -120,8 +120,8 @@ def _relpath(variant: str, config: launch.LaunchConfig, target: str) -> Path:
 def test_cache_key_changes_with_variant_config_and_target():
     base = BASES[0]
     cfg = launch.LaunchConfig()
-    key = _relpath(base.name, cfg, "sm_120a")
-    assert key == _relpath(base.name, cfg, "sm_120a")  # stable
+    key = _relpath(base.name, cfg, "sm_120f")
+    assert key == _relpath(base.name, cfg, "sm_120f")  # stable
     # the variant
     others = [v for v in _perturbations(base).values() if unsupported_reason(v) is None]
     paths = {_relpath(v.name, cfg, v.arch.targets[0]) for v in others} | {key}
@@ -142,10 +142,10 @@ def test_cache_key_changes_with_variant_config_and_target():
         ]
         assert changed, f"no supported config differs from the default in {f.name} only"
         for c in changed:
-            assert _relpath(base.name, c, "sm_120a") != key, f.name
-    assert len({_relpath(base.name, c, "sm_120a") for c in configs}) == len(configs)
+            assert _relpath(base.name, c, "sm_120f") != key, f.name
+    assert len({_relpath(base.name, c, "sm_120f") for c in configs}) == len(configs)
     # the target
-    assert _relpath(base.name, cfg, "sm_121a") != key
+    assert _relpath(base.name, cfg, "sm_100a") != key
 
 
 def test_cache_key_changes_with_the_source(tmp_path, monkeypatch, fresh_fingerprints):
@@ -156,32 +156,32 @@ def test_cache_key_changes_with_the_source(tmp_path, monkeypatch, fresh_fingerpr
     module.write_bytes(compiler.module_path(name).read_bytes())
     lib.write_bytes(compiler.kernel_lib_path().read_bytes())
     base.write_bytes(compiler.kernel_base_path().read_bytes())
-    real = _relpath(name, cfg, "sm_120a")
+    real = _relpath(name, cfg, "sm_120f")
     monkeypatch.setattr(compiler, "module_path", lambda v: module)
     monkeypatch.setattr(compiler, "kernel_lib_path", lambda: lib)
     monkeypatch.setattr(compiler, "kernel_base_path", lambda: base)
     compiler.source_hash.cache_clear()
-    assert _relpath(name, cfg, "sm_120a") == real  # same bytes, same key
+    assert _relpath(name, cfg, "sm_120f") == real  # same bytes, same key
 
     module.write_text(module.read_text() + "# an edit of the generated module\n")
     compiler.source_hash.cache_clear()
-    edited_module = _relpath(name, cfg, "sm_120a")
+    edited_module = _relpath(name, cfg, "sm_120f")
     assert edited_module != real
 
     lib.write_text(lib.read_text() + "# an edit of the shared helpers\n")
     compiler.source_hash.cache_clear()
-    edited_lib = _relpath(name, cfg, "sm_120a")
+    edited_lib = _relpath(name, cfg, "sm_120f")
     assert edited_lib not in (real, edited_module)
 
     base.write_text(base.read_text() + "# an edit of the methods every Kernel inherits\n")
     compiler.source_hash.cache_clear()
-    assert _relpath(name, cfg, "sm_120a") not in (real, edited_module, edited_lib)
+    assert _relpath(name, cfg, "sm_120f") not in (real, edited_module, edited_lib)
 
 
 def test_cache_key_changes_with_the_dsl_version(monkeypatch, fresh_fingerprints):
     name = BASES[0].name
     cfg = launch.LaunchConfig()
-    real = _relpath(name, cfg, "sm_120a")
+    real = _relpath(name, cfg, "sm_120f")
     versions = {p: compiler.dsl_versions()[p] for p in compiler.DSL_PACKAGES}
     assert all(versions.values()), versions
     real_version = compiler.importlib.metadata.version
@@ -192,10 +192,10 @@ def test_cache_key_changes_with_the_dsl_version(monkeypatch, fresh_fingerprints)
             lambda p, pkg=pkg: "0.0.0.dev0" if p == pkg else real_version(p),
         )
         compiler.dsl_fingerprint.cache_clear()
-        assert _relpath(name, cfg, "sm_120a") != real, pkg
+        assert _relpath(name, cfg, "sm_120f") != real, pkg
     monkeypatch.setattr(compiler.importlib.metadata, "version", real_version)
     compiler.dsl_fingerprint.cache_clear()
-    assert _relpath(name, cfg, "sm_120a") == real
+    assert _relpath(name, cfg, "sm_120f") == real
 
 
 # ---- the variant space -------------------------------------------------------------------------

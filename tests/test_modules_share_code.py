@@ -27,7 +27,7 @@ BLOCKS = {  # label -> (first line, last line); present only where the variant's
 }
 IDENTITY_LINES = {  # name -> pattern of the whole line; each must occur exactly once
     "docstring arch line": re.compile(
-        r"^Arch family sm\d+ \(targets [sm_0-9a, ]+\), (native|portable) conversions\.$"
+        r"^Arch family sm\d+ \(targets [sm_0-9af, ]+\), (native|portable) conversions\.$"
     ),
 }
 

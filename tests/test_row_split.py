@@ -79,7 +79,7 @@ def test_a_tuning_entry_with_a_split_its_variant_does_not_take_is_skipped(tmp_pa
         ("kv_d512r64_nvfp4_v41_bf16_sm90", "sm_90a"),
         ("kv_d512r64_fp8_ds_mla_bf16_sm90", "sm_90a"),
         ("kv_d512r64_mxfp8_bf16_sm100", "sm_100a"),
-        ("kv_d512r64_nvfp4_dsv4_bf16_sm120", "sm_120a"),
+        ("kv_d512r64_nvfp4_dsv4_bf16_sm120", "sm_120f"),
     ],
 )
 def test_a_split_row_loads_half_its_vectors_per_lane_on_every_arch(tmp_path, name, target):

@@ -29,8 +29,8 @@ from attn_prologue.variants import (
 def test_capabilities_map_to_families_and_targets():
     assert arch_for_capability(9, 0) == (ArchFamily.SM90, "sm_90a")
     assert arch_for_capability(10, 0) == (ArchFamily.SM100, "sm_100a")
-    assert arch_for_capability(12, 0) == (ArchFamily.SM120, "sm_120a")
-    assert arch_for_capability(12, 1) == (ArchFamily.SM120, "sm_121a")
+    # one family-specific target for both SM120 GPUs (RTX 50xx / RTX PRO 6000 and GB10)
+    assert arch_for_capability(12, 0) == arch_for_capability(12, 1) == (ArchFamily.SM120, "sm_120f")
     assert arch_for_capability(10, 3) == (ArchFamily.SM100, "sm_103a")  # B300
     assert arch_for_capability(11, 0) == (ArchFamily.SM100, "sm_110a")  # Thor
     for unknown in ((8, 0), (12, 2), (10, 1)):

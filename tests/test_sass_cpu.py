@@ -1,4 +1,4 @@
-"""The SASS counter (attn_prologue.lab.sass) on modules compiled here for sm_90a and sm_120a into a
+"""The SASS counter (attn_prologue.lab.sass) on modules compiled here for sm_90a and sm_120f into a
 temporary cache, and the copy yardsticks compiled for every family. No GPU is needed; nvdisasm comes
 with the test extra (the nvidia-cuda-nvdisasm wheel)."""
 
@@ -58,7 +58,7 @@ def test_counts_the_built_module_row_by_row(cache, variant):
 
 
 def test_native_conversions_count_fewer_instructions_than_portable(cache):
-    """The same module with hardware E2M1 conversions (sm_120a) against its portable build: the software
+    """The same module with hardware E2M1 conversions (sm_120f) against its portable build: the software
     rounding costs instructions, and only the portable module converts with integer/float arithmetic."""
     native, portable = counted(cache, f"{NVFP4}_sm120"), counted(cache, f"{NVFP4}_sm120_portable")
     assert portable["instructions"] > native["instructions"] + 100
@@ -119,7 +119,7 @@ def test_the_cubin_is_found_inside_a_shared_object():
 
 
 # ---- the copy yardsticks ------------------------------------------------------------------------------
-@pytest.mark.parametrize("target", ["sm_90a", "sm_100a", "sm_120a"])
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a", "sm_120f"])
 def test_copy_kernels_compile_to_their_vectors_per_thread(target):
     """Each SM copy kind moves its vectors with one 128-bit read-only load and one 128-bit store each."""
     assert set(timing.COPY_KINDS) == set(copy_kernel.COPY_KINDS) | {"memcpy"}

@@ -53,11 +53,11 @@ def test_run_passes_a_correct_kernel_and_catches_one_wrong_byte(name):
     arena = selftest.Arena(torch.device("cpu"))
     errors = torch.zeros(2, dtype=torch.int32)
     ok, detail = selftest.run(
-        Launcher(v, v.arch.default_config, "sm_120a", 0, reference_kernel(v), 1), errors, arena
+        Launcher(v, v.arch.default_config, "sm_120f", 0, reference_kernel(v), 1), errors, arena
     )
     assert ok, detail
     ok, detail = selftest.run(
-        Launcher(v, v.arch.default_config, "sm_120a", 0, reference_kernel(v, corrupt=True), 1), errors, arena
+        Launcher(v, v.arch.default_config, "sm_120f", 0, reference_kernel(v, corrupt=True), 1), errors, arena
     )
     assert not ok and "1 cache bytes" in detail
 
@@ -185,7 +185,7 @@ def test_the_fault_is_injected_only_when_asked_and_its_verdict_is_never_recorded
     monkeypatch.setenv(selftest.ENV_FAULT, value)
     errors, arena = torch.zeros(2, dtype=torch.int32), selftest.Arena(torch.device("cpu"))
     ok, detail = selftest.run(
-        Launcher(v, v.arch.default_config, "sm_120a", 0, reference_kernel(v), 1), errors, arena
+        Launcher(v, v.arch.default_config, "sm_120f", 0, reference_kernel(v), 1), errors, arena
     )
     assert ok is not injects, detail
     records = selftest.Records(tmp_path)

@@ -1,5 +1,5 @@
 """SASS instructions per value of every writer of issue 26 (and the qkv op), with the lean_quant knob off,
-on, and on with defaults_only (the parity choices folded away), for sm_90a and sm_120a, and what they mean on the H200: a row's issue time (instructions at
+on, and on with defaults_only (the parity choices folded away), for sm_90a and sm_120f, and what they mean on the H200: a row's issue time (instructions at
 4 warp instructions per SM clock) against its DRAM time (bytes at the H200's bandwidth per SM).
 Compiles on the CPU (no GPU); writes results/sass-instructions-cpu.json with the provenance.
 
@@ -41,7 +41,7 @@ WRITERS = [
     ("qkv_d512r64_fp8_ds_mla_bf16", "kv", 1),
     ("qkv_d512r64_nvfp4_dsv4_bf16", "kv", 1),
 ]
-ARCHS = (("sm90", "sm_90a"), ("sm120", "sm_120a"))
+ARCHS = (("sm90", "sm_90a"), ("sm120", "sm_120f"))
 H200 = next(p for p in ARCH_SPECS["sm90"].parts if p.name == "H200")
 # (lean_quant, defaults_only) of each count: the default config, with lean_quant, and with both
 KNOBS = ((False, False), (True, False), (True, True))
@@ -123,7 +123,7 @@ def _chain(values, digits: int) -> str:
 
 
 def census_table(doc: dict) -> str:
-    """The census table and the sm_120a line of docs/performance.md, from a census file."""
+    """The census table and the sm_120f line of docs/performance.md, from a census file."""
     by = {
         (
             w["variant"],
@@ -149,7 +149,7 @@ def census_table(doc: dict) -> str:
         )
     sm120 = [
         f"`{parse_name(base + '_sm120').cache_format}` "
-        + _chain([by[(f"{base}_sm120", "sm_120a", row, ratio, *knobs)]["per_value"] for knobs in KNOBS], 2)
+        + _chain([by[(f"{base}_sm120", "sm_120f", row, ratio, *knobs)]["per_value"] for knobs in KNOBS], 2)
         for base, row, ratio in WRITERS
         if base.startswith("kv_d")
         and ratio == 1
@@ -158,7 +158,7 @@ def census_table(doc: dict) -> str:
     ]
     lines += [
         "",
-        "On sm_120a, where E2M1 and UE8M0 convert in hardware (kv, per value): " + ", ".join(sm120) + ".",
+        "On sm_120f, where E2M1 and UE8M0 convert in hardware (kv, per value): " + ", ".join(sm120) + ".",
     ]
     return "\n".join(lines)
 

@@ -2,7 +2,7 @@
 """kv_d128r64_mxfp4_fp16_sm120: KV RoPE + mxfp4 encode + paged insert; D=128, R=64, fp16 I/O.
 
 Cache format mxfp4: DeepSeek-V4 indexer keys, FP4: 64 bytes packed e2m1, 4 UE8M0.
-Arch family sm120 (targets sm_120a, sm_121a), native conversions.
+Arch family sm120 (targets sm_120f), native conversions.
 """
 
 from typing import NamedTuple

@@ -2,7 +2,7 @@
 """kv_d512r64_fp8_tensor_fp16_sm120: KV RoPE + fp8_tensor encode + paged insert; D=512, R=64, fp16 I/O.
 
 Cache format fp8_tensor: per-tensor-scale FP8 full cache: e4m3(clamp(x / scale)) per value.
-Arch family sm120 (targets sm_120a, sm_121a), native conversions.
+Arch family sm120 (targets sm_120f), native conversions.
 """
 
 from typing import NamedTuple

@@ -2,7 +2,7 @@
 """kv_d512r64_nvfp4_v41_bf16_sm120_portable: KV RoPE + nvfp4_v41 encode + paged insert; D=512, R=64, bf16 I/O.
 
 Cache format nvfp4_v41: DeepSeek-V4.1 compressed cache: 512 e2m1 (rope quantized too), 32 E4M3 group scales.
-Arch family sm120 (targets sm_120a, sm_121a), portable conversions.
+Arch family sm120 (targets sm_120f), portable conversions.
 """
 
 from typing import NamedTuple

@@ -2,7 +2,7 @@
 """kv_d512r64_nvfp4_v41_fp16_sm120: KV RoPE + nvfp4_v41 encode + paged insert; D=512, R=64, fp16 I/O.
 
 Cache format nvfp4_v41: DeepSeek-V4.1 compressed cache: 512 e2m1 (rope quantized too), 32 E4M3 group scales.
-Arch family sm120 (targets sm_120a, sm_121a), native conversions.
+Arch family sm120 (targets sm_120f), native conversions.
 """
 
 from typing import NamedTuple

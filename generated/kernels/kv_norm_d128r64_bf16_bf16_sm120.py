@@ -2,7 +2,7 @@
 """kv_norm_d128r64_bf16_bf16_sm120: KV weighted RMSNorm + RoPE + bf16 encode + paged insert; D=128, R=64, bf16 I/O.
 
 Cache format bf16: unquantized full cache: D bf16 per token.
-Arch family sm120 (targets sm_120a, sm_121a), native conversions.
+Arch family sm120 (targets sm_120f), native conversions.
 """
 
 from typing import NamedTuple

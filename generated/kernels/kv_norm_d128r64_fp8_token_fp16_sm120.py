@@ -2,7 +2,7 @@
 """kv_norm_d128r64_fp8_token_fp16_sm120: KV weighted RMSNorm + RoPE + fp8_token encode + paged insert; D=128, R=64, fp16 I/O.
 
 Cache format fp8_token: DeepSeek-V4 indexer keys: 128 e4m3, one float32 scale 2^e per token.
-Arch family sm120 (targets sm_120a, sm_121a), native conversions.
+Arch family sm120 (targets sm_120f), native conversions.
 """
 
 from typing import NamedTuple

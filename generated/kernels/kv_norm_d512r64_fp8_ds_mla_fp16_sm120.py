@@ -2,7 +2,7 @@
 """kv_norm_d512r64_fp8_ds_mla_fp16_sm120: KV weighted RMSNorm + RoPE + fp8_ds_mla encode + paged insert; D=512, R=64, fp16 I/O.
 
 Cache format fp8_ds_mla: DeepSeek-V4 sliding-window/compressed cache: 448 e4m3 NoPE + 64 bf16 rope, 7 UE8M0 + 1 pad.
-Arch family sm120 (targets sm_120a, sm_121a), native conversions.
+Arch family sm120 (targets sm_120f), native conversions.
 """
 
 from typing import NamedTuple

@@ -2,7 +2,7 @@
 """kv_norm_d512r64_mxfp8_bf16_sm120_portable: KV weighted RMSNorm + RoPE + mxfp8 encode + paged insert; D=512, R=64, bf16 I/O.
 
 Cache format mxfp8: DeepSeek-V4.1 sliding-window cache: 512 e4m3 (rope quantized too), 16 UE8M0.
-Arch family sm120 (targets sm_120a, sm_121a), portable conversions.
+Arch family sm120 (targets sm_120f), portable conversions.
 """
 
 from typing import NamedTuple

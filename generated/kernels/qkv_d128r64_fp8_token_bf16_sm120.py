@@ -2,7 +2,7 @@
 """qkv_d128r64_fp8_token_bf16_sm120: Q RMSNorm + RoPE into q_out (bf16), KV RoPE + fp8_token encode + paged insert; D=128, R=64, bf16 I/O.
 
 Cache format fp8_token: DeepSeek-V4 indexer keys: 128 e4m3, one float32 scale 2^e per token.
-Arch family sm120 (targets sm_120a, sm_121a), native conversions.
+Arch family sm120 (targets sm_120f), native conversions.
 """
 
 from typing import NamedTuple

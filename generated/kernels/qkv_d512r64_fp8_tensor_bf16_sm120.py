@@ -2,7 +2,7 @@
 """qkv_d512r64_fp8_tensor_bf16_sm120: Q RMSNorm + RoPE into q_out (bf16), KV RoPE + fp8_tensor encode + paged insert; D=512, R=64, bf16 I/O.
 
 Cache format fp8_tensor: per-tensor-scale FP8 full cache: e4m3(clamp(x / scale)) per value.
-Arch family sm120 (targets sm_120a, sm_121a), native conversions.
+Arch family sm120 (targets sm_120f), native conversions.
 """
 
 from typing import NamedTuple

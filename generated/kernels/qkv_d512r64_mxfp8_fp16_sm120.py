@@ -2,7 +2,7 @@
 """qkv_d512r64_mxfp8_fp16_sm120: Q RMSNorm + RoPE into q_out (fp16), KV RoPE + mxfp8 encode + paged insert; D=512, R=64, fp16 I/O.
 
 Cache format mxfp8: DeepSeek-V4.1 sliding-window cache: 512 e4m3 (rope quantized too), 16 UE8M0.
-Arch family sm120 (targets sm_120a, sm_121a), native conversions.
+Arch family sm120 (targets sm_120f), native conversions.
 """
 
 from typing import NamedTuple

@@ -2,7 +2,7 @@
 """qkv_d512r64_nvfp4_dsv4_fp16_sm120_portable: Q RMSNorm + RoPE into q_out (fp16), KV RoPE + nvfp4_dsv4 encode + paged insert; D=512, R=64, fp16 I/O.
 
 Cache format nvfp4_dsv4: DeepSeek-V4 NVFP4 (FlashInfer SM120): 448 e2m1 NoPE + 64 bf16 rope, 28 E4M3 scales + 4 zero.
-Arch family sm120 (targets sm_120a, sm_121a), portable conversions.
+Arch family sm120 (targets sm_120f), portable conversions.
 """
 
 from typing import NamedTuple

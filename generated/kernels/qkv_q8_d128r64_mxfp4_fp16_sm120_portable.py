@@ -2,7 +2,7 @@
 """qkv_q8_d128r64_mxfp4_fp16_sm120_portable: Q RMSNorm + RoPE into q_out (e4m3, per-tensor scale), KV RoPE + mxfp4 encode + paged insert; D=128, R=64, fp16 I/O.
 
 Cache format mxfp4: DeepSeek-V4 indexer keys, FP4: 64 bytes packed e2m1, 4 UE8M0.
-Arch family sm120 (targets sm_120a, sm_121a), portable conversions.
+Arch family sm120 (targets sm_120f), portable conversions.
 """
 
 from typing import NamedTuple

@@ -2,7 +2,7 @@
 """qkv_q8_d512r64_bf16_bf16_sm120: Q RMSNorm + RoPE into q_out (e4m3, per-tensor scale), KV RoPE + bf16 encode + paged insert; D=512, R=64, bf16 I/O.
 
 Cache format bf16: unquantized full cache: D bf16 per token.
-Arch family sm120 (targets sm_120a, sm_121a), native conversions.
+Arch family sm120 (targets sm_120f), native conversions.
 """
 
 from typing import NamedTuple

@@ -2,7 +2,7 @@
 """qkv_q8_d512r64_fp8_ds_mla_fp16_sm120_portable: Q RMSNorm + RoPE into q_out (e4m3, per-tensor scale), KV RoPE + fp8_ds_mla encode + paged insert; D=512, R=64, fp16 I/O.
 
 Cache format fp8_ds_mla: DeepSeek-V4 sliding-window/compressed cache: 448 e4m3 NoPE + 64 bf16 rope, 7 UE8M0 + 1 pad.
-Arch family sm120 (targets sm_120a, sm_121a), portable conversions.
+Arch family sm120 (targets sm_120f), portable conversions.
 """
 
 from typing import NamedTuple

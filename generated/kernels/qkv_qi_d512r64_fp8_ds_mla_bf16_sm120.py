@@ -2,7 +2,7 @@
 """qkv_qi_d512r64_fp8_ds_mla_bf16_sm120: Q RMSNorm + RoPE into q_out (bf16), KV RoPE + fp8_ds_mla encode + paged insert; D=512, R=64, bf16 I/O.
 
 Cache format fp8_ds_mla: DeepSeek-V4 sliding-window/compressed cache: 448 e4m3 NoPE + 64 bf16 rope, 7 UE8M0 + 1 pad.
-Arch family sm120 (targets sm_120a, sm_121a), native conversions.
+Arch family sm120 (targets sm_120f), native conversions.
 """
 
 from typing import NamedTuple
