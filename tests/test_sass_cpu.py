@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import tempfile
+from pathlib import Path
 
 import pytest
 from attn_prologue.codegen.plan import make_plan
@@ -82,13 +83,25 @@ def test_parity_choice_code_is_counted_apart_from_the_defaults_path(cache):
     assert c["instructions_every_choice"] > c["instructions"]
     path = sass.compiler.load_module("kv_d512r64_fp8_ds_mla_bf16_sm90").__file__
     text = open(path).read().splitlines()
+    base = sass.compiler.kernel_base_path()
     lines = sass._choice_lines(path)
-    guarded = [n for n, t in enumerate(text, 1) if "self.rotate_nope(ys, sub)" in t]
+    name = Path(path).name
+    guarded = [(name, n) for n, t in enumerate(text, 1) if "self.rotate_nope(ys, sub)" in t]
     defaults = [n for n, t in enumerate(text, 1) if "if (args.numerics & FP32_ROTATED_ROW) == 0" in t]
-    rotate_nope = [n for n, t in enumerate(text, 1) if "def rotate_nope(" in t]
+    # a method only called from such a body, in the methods the module's Kernel inherits
+    rotate_nope = [
+        (base.name, n) for n, t in enumerate(base.read_text().splitlines(), 1) if "def rotate_nope(" in t
+    ]
     assert guarded and set(guarded) <= lines  # the body of `if (args.numerics & NOPE_ROTATION) != 0`
-    assert rotate_nope and set(rotate_nope) <= lines  # a method only called from such a body
-    assert defaults and defaults[0] + 1 not in lines  # the body of a `== 0` test runs by default
+    assert rotate_nope and set(rotate_nope) <= lines
+    assert defaults and (name, defaults[0] + 1) not in lines  # the body of a `== 0` test runs by default
+    # the base's methods called on the defaults' path are not choice code
+    waits = [
+        (base.name, n)
+        for n, t in enumerate(base.read_text().splitlines(), 1)
+        if "def wait_for_producer(" in t
+    ]
+    assert waits and not set(waits) & lines
 
 
 def test_qkv_counts_q_rows_and_kv_rows_apart(cache):

@@ -189,32 +189,39 @@ def _self_calls(node: ast.AST) -> list[str]:
 
 
 @functools.cache
-def _choice_lines(path: str) -> frozenset[int]:
-    """Lines of a generated module that run only when a parity-choice bit is set: the branches of the
-    `if`s that test one as set (or the else of one that tests them clear), and the Kernel methods
-    called from nowhere else."""
-    tree = ast.parse(Path(path).read_text())
-    lines: set[int] = set()
-    guarded, calls = Counter(), Counter(_self_calls(tree))
-    for node in ast.walk(tree):
-        kind = _bit_test(node.test) if isinstance(node, ast.If) else None
-        for stmt in {"set": getattr(node, "body", []), "clear": getattr(node, "orelse", [])}.get(kind, []):
-            lines.update(range(stmt.lineno, stmt.end_lineno + 1))
-            guarded.update(_self_calls(stmt))
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.FunctionDef)
-            and guarded[node.name]
-            and guarded[node.name] == calls[node.name]
-        ):
-            lines.update(range(node.lineno, node.end_lineno + 1))
+def _choice_lines(path: str) -> frozenset[tuple[str, int]]:
+    """(file name, line) of a generated module and of kernel_base (the methods its Kernel inherits)
+    that run only when a parity-choice bit is set: the branches of the `if`s that test one as set (or
+    the else of one that tests them clear), and the Kernel methods called from nowhere else."""
+    trees = {f.name: ast.parse(f.read_text()) for f in (Path(path), compiler.kernel_base_path())}
+    lines: set[tuple[str, int]] = set()
+    guarded, calls = Counter(), Counter()
+    for name, tree in trees.items():
+        calls.update(_self_calls(tree))
+        for node in ast.walk(tree):
+            kind = _bit_test(node.test) if isinstance(node, ast.If) else None
+            for stmt in {"set": getattr(node, "body", []), "clear": getattr(node, "orelse", [])}.get(
+                kind, []
+            ):
+                lines.update((name, n) for n in range(stmt.lineno, stmt.end_lineno + 1))
+                guarded.update(_self_calls(stmt))
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.FunctionDef)
+                and guarded[node.name]
+                and guarded[node.name] == calls[node.name]
+            ):
+                lines.update((name, n) for n in range(node.lineno, node.end_lineno + 1))
     return frozenset(lines)
 
 
-def label_blocks(blocks: list[Block], module: str) -> None:
-    """Each block's pass and whether it is compressed-writer code, from the line info of its
-    instructions in the generated module `module` (a file name); a block with none there, or only
-    in the RoPE helpers both passes call, inherits from its predecessors when they agree."""
+def label_blocks(blocks: list[Block], module_path: Path) -> None:
+    """Each block's pass and whether it is compressed-writer or parity-choice code, from the line
+    info of its instructions in the generated module and in the methods its Kernel inherits
+    (kernel_base); a block with none there, or only in the RoPE helpers both passes call, inherits
+    from its predecessors when they agree."""
+    files = {Path(module_path).name, compiler.kernel_base_path().name}
     preds: dict[int, list[int]] = {b: [] for b in range(len(blocks))}
     for b, blk in enumerate(blocks):
         for s in blk.succ:
@@ -223,13 +230,14 @@ def label_blocks(blocks: list[Block], module: str) -> None:
     for b, blk in enumerate(
         blocks
     ):  # address order: predecessors first but for a persistent loop's back edge
-        own = [i.line for i in blk.instrs if i.line and Path(i.line[0]).name == module]
+        own = [i.line for i in blk.instrs if i.line and Path(i.line[0]).name in files]
         if own:
-            where, compress = _module_lines(own[0][0])
-            methods = [where.get(n) for _, n in own]
+            lines = {f: _module_lines(f) for f in {f for f, _ in own}}  # (where, compress) per file
+            methods = [lines[f][0].get(n) for f, n in own]
             passes = Counter(PASSES[m] for m in methods if m in PASSES)
-            blk.compress = sum(n in compress for _, n in own) * 2 > len(own)
-            blk.choice = all(n in _choice_lines(own[0][0]) for _, n in own)
+            blk.compress = sum(n in lines[f][1] for f, n in own) * 2 > len(own)
+            choice = _choice_lines(str(module_path))
+            blk.choice = all((Path(f).name, n) in choice for f, n in own)
             if passes or any(m not in shared for m in methods):
                 blk.region = passes.most_common(1)[0][0] if passes else None
                 continue
@@ -304,7 +312,7 @@ def count(
         if built is not None:
             matches = same_code(disassemble(built, kernel)[0], instrs)
     blocks = basic_blocks(instrs, dict(labels))
-    label_blocks(blocks, f"{variant}.py")
+    label_blocks(blocks, compiler.module_path(variant))
     region = f"{row}_pass"
     if not any(b.region == region for b in blocks):
         raise SassError(
