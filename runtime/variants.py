@@ -128,7 +128,8 @@ class ArchFamily(enum.Enum):
 # compute capability -> (arch family, compile target): the one table the runtime dispatches on.
 # A cubin for an "a" target loads on that capability only. The SM120 GPUs (RTX 50xx and RTX PRO 6000
 # Blackwell at 12.0, GB10 at 12.1) share the family-specific target sm_120f, whose cubin loads on every
-# 12.x with x >= 0: ptxas emits the same SASS for it as for sm_120a and sm_121a (no instruction these
+# 12.x with x >= 0 (NVIDIA, "NVIDIA Blackwell and NVIDIA CUDA 12.9 Introduce Family-Specific
+# Architecture Features", developer.nvidia.com/blog, 2025): ptxas emits the same SASS for it as for sm_120a and sm_121a (no instruction these
 # kernels use is specific to one of them: tests/test_emitted_knobs.py compares the three), so one
 # build serves both. B300 (10.3) and Thor (11.0) run the SM100 modules compiled for sm_103a / sm_110a,
 # each its own target: sm_103a's SASS is not sm_100a's.
