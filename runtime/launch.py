@@ -17,7 +17,7 @@ class LaunchConfig:
     warps_per_cta: int = 4
     passes_per_warp: int = 1  # passes (32 / lanes-per-row rows each) a warp loads before it computes
     pdl: bool = True  # programmatic dependent launch: griddepcontrol.wait / launch_dependents
-    non_coherent: bool = True  # read-only loads through ld.global.nc
+    non_coherent: bool = True  # row loads through ld.global.nc (when not streaming; the inputs read before the PDL wait stay coherent)
     ctas_per_sm: int = 0  # 0: one warp per pass group (grid covers all); k: grid <= k x SMs, warps stride
     spread_kv: bool = False  # KV CTAs spaced evenly among the Q CTAs instead of all before them
     streaming: bool = False  # q/kv rows loaded and q_out stored with the streaming cache hint (.cs)

@@ -258,8 +258,9 @@ class Kernel(KernelBase):
     @cute.jit
     def kv_rows(self, p: Int32, lane: Int32, args: Arguments, scan: cutlass.Constexpr, base: Int64, mask: Int32, scan_position: Int32):
         """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. Every row's slot and
-        position loads are issued first, then (after the PDL wait: wait_for_producer) its kv loads, then
-        its cos/sin loads once its position is known, then each row is finished."""
+        position loads are issued first, then its cos/sin loads once its position is known (inputs read
+        before the PDL wait, so under PDL they overlap the previous kernel; the scan kernel's come
+        after its rows), then (after the wait: wait_for_producer) its kv loads, then each row is finished."""
         sub = lane % LANES_PER_ROW
         first_row = p * ROWS_PER_PASS + lane // LANES_PER_ROW
         if const_expr(self.cfg.row_split > 1):  # this warp's unit does its part of passes_per_warp rows
@@ -283,35 +284,41 @@ class Kernel(KernelBase):
             ids.append((r, valid, slot, position))
         weights = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
         for s in range_constexpr(self.slots):
-            kl.load_vector_into(weights[s], kl.base_address(args.norm_weight), Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent)
-        self.wait_for_producer()
-        rows = []
-        for u in range_constexpr(self.cfg.passes_per_warp):
-            # every valid row, boundary or not: a compressed writer's small call does not wait for its
-            # positions to choose (that wait would cost more than the bytes); a large one's rows are the
-            # boundary rows its scan found
-            r, valid, slot, position = ids[u]
-            src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
-            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
-            if valid:
-                for s in range_constexpr(self.slots):
-                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
-            rows.append(frags)
-        loaded = []
+            kl.load_vector_into(weights[s], kl.base_address(args.norm_weight), Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, False)  # (coherent: stays before the PDL wait)
+        tables_early = not scan  # (the scan kernel, a large call, loads them after its rows: early, they cost its sm_120 FP4 module a spill)
+        early = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             r, valid, slot, position = ids[u]
             ok = slot >= 0
             if args.checked != 0:  # (a scanned row passed this check in the scan)
                 bad = self.bad_ids(slot, position, args)
                 if bad & (sub == 0):
-                    self.count_error(args)
+                    self.count_error(args)  # (waits first: a write)
                 ok = ok & cutlass.not_(bad)
             if args.compress_ratio != 1:  # the compressed writers: group-boundary rows only, RoPE at the group's start
                 p32 = Int32(position)  # positions < 2^31 (in range: checked mode skips the others)
                 ok = ok & ((p32 + 1) % args.compress_ratio == 0)
                 position = Int64(p32 // args.compress_ratio * args.compress_ratio)
-            tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
-            loaded.append((slot, ok, rows[u], tables))
+            tables = None
+            if const_expr(tables_early):
+                tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
+            early.append((slot, ok, position, tables))
+        self.wait_for_producer()
+        loaded = []
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            # every valid row, boundary or not: a compressed writer's small call does not wait for its
+            # positions to choose (that wait would cost more than the bytes); a large one's rows are the
+            # boundary rows its scan found
+            r, valid = ids[u][:2]
+            src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
+            if valid:
+                for s in range_constexpr(self.slots):
+                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+            slot, ok, position, tables = early[u]
+            if const_expr(not tables_early):
+                tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
+            loaded.append((slot, ok, frags, tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
             slot, ok, frags, tables = loaded[u]
             if cute.arch.vote_any_sync(ok):  # a warp whose rows are all skipped (DP padding, rows a compressed writer drops) has no work

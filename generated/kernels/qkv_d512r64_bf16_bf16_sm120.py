@@ -175,8 +175,8 @@ class Kernel(KernelBase):
     @cute.jit
     def q_pass(self, p: Int32, lane: Int32, args: Arguments, q_heads: Int32):
         """Rows are the (token, head) pairs of q_in (q_heads = H), head-minor. A row whose position is out of
-        range in checked mode is written as zeros. Every row's position load is issued first, then (after
-        the PDL wait) its q_in loads, then its cos/sin loads, then each row is finished."""
+        range in checked mode is written as zeros. Every row's position load is issued first, then its
+        cos/sin loads (both before the PDL wait), then (after it) its q_in loads, then each row is finished."""
         sub = lane % Q_LANES_PER_ROW
         ids = []
         for u in range_constexpr(self.cfg.passes_per_warp):
@@ -188,27 +188,27 @@ class Kernel(KernelBase):
             if valid:
                 position = Int64(args.positions[t])
             ids.append((t, h, valid, position))
-        self.wait_for_producer()
-        rows = []
-        for u in range_constexpr(self.cfg.passes_per_warp):
-            t, h, valid, position = ids[u]
-            src = kl.base_address(args.q_in) + (Int64(t) * args.q_in.stride[0] + Int64(h) * HEAD_DIM) * 2
-            frags = [kl.zero_vector(IO_DTYPE) for _ in range(Q_SLOTS)]
-            if valid:
-                for s in range_constexpr(Q_SLOTS):
-                    kl.load_vector_into(frags[s], src, Int64((s * Q_LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
-            rows.append(frags)
-        loaded = []
+        early = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             t, h, valid, position = ids[u]
             live = valid
             if args.checked != 0:
                 bad = valid & ((position < 0) | (position >= args.cos_sin_cache.shape[0]))
                 if bad & (h == 0) & (sub == 0):
-                    self.count_error(args, 1)
+                    self.count_error(args, 1)  # (waits first: a write)
                 live = live & cutlass.not_(bad)
-            tables = self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub, Q_SLOTS, Q_LANES_PER_ROW)
-            loaded.append((t, h, valid, live, rows[u], tables))
+            early.append((live, self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub, Q_SLOTS, Q_LANES_PER_ROW)))
+        self.wait_for_producer()
+        loaded = []
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            t, h, valid = ids[u][:3]
+            src = kl.base_address(args.q_in) + (Int64(t) * args.q_in.stride[0] + Int64(h) * HEAD_DIM) * 2
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(Q_SLOTS)]
+            if valid:
+                for s in range_constexpr(Q_SLOTS):
+                    kl.load_vector_into(frags[s], src, Int64((s * Q_LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+            live, tables = early[u]
+            loaded.append((t, h, valid, live, frags, tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
             t, h, valid, live, frags, tables = loaded[u]
             xs = [f.load().to(Float32) for f in frags]
@@ -250,8 +250,9 @@ class Kernel(KernelBase):
     @cute.jit
     def kv_pass(self, p: Int32, lane: Int32, args: Arguments):
         """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. Every row's slot and
-        position loads are issued first, then (after the PDL wait: wait_for_producer) its kv loads, then
-        its cos/sin loads once its position is known, then each row is finished."""
+        position loads are issued first, then its cos/sin loads once its position is known (inputs read
+        before the PDL wait, so under PDL they overlap the previous kernel; the scan kernel's come
+        after its rows), then (after the wait: wait_for_producer) its kv loads, then each row is finished."""
         sub = lane % LANES_PER_ROW
         first_row = p * ROWS_PER_PASS + lane // LANES_PER_ROW
         if const_expr(self.cfg.row_split > 1):  # this warp's unit does its part of passes_per_warp rows
@@ -268,30 +269,36 @@ class Kernel(KernelBase):
                 slot = Int64(args.slot_mapping[r])
                 position = Int64(args.positions[r])
             ids.append((r, valid, slot, position))
-        self.wait_for_producer()
-        rows = []
-        for u in range_constexpr(self.cfg.passes_per_warp):
-            # every valid row, boundary or not: a compressed writer's small call does not wait for its
-            # positions to choose (that wait would cost more than the bytes); a large one's rows are the
-            # boundary rows its scan found
-            r, valid, slot, position = ids[u]
-            src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
-            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
-            if valid:
-                for s in range_constexpr(self.slots):
-                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
-            rows.append(frags)
-        loaded = []
+        tables_early = True
+        early = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             r, valid, slot, position = ids[u]
             ok = slot >= 0
             if args.checked != 0:  # (a scanned row passed this check in the scan)
                 bad = self.bad_ids(slot, position, args)
                 if bad & (sub == 0):
-                    self.count_error(args)
+                    self.count_error(args)  # (waits first: a write)
                 ok = ok & cutlass.not_(bad)
-            tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
-            loaded.append((slot, ok, rows[u], tables))
+            tables = None
+            if const_expr(tables_early):
+                tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
+            early.append((slot, ok, position, tables))
+        self.wait_for_producer()
+        loaded = []
+        for u in range_constexpr(self.cfg.passes_per_warp):
+            # every valid row, boundary or not: a compressed writer's small call does not wait for its
+            # positions to choose (that wait would cost more than the bytes); a large one's rows are the
+            # boundary rows its scan found
+            r, valid = ids[u][:2]
+            src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
+            if valid:
+                for s in range_constexpr(self.slots):
+                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+            slot, ok, position, tables = early[u]
+            if const_expr(not tables_early):
+                tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
+            loaded.append((slot, ok, frags, tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
             slot, ok, frags, tables = loaded[u]
             if cute.arch.vote_any_sync(ok):  # a warp whose rows are all skipped (DP padding, rows a compressed writer drops) has no work

@@ -36,7 +36,7 @@ class KernelBase:
     @cute.jit
     def wait_for_producer(self):
         """PDL: wait for the previous kernel in the stream (its writes are then visible). A pass may read
-        what the caller prepared before that kernel (slots, positions, norm weights) before it; it reads
+        what the caller prepared before that kernel (slots, positions, cos/sin, norm weights) before it; it reads
         that kernel's outputs (kv, q_in, q_scale) and makes every write of its own after it."""
         if const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_wait()
@@ -64,8 +64,10 @@ class KernelBase:
     def load_tail_cos_sin(
         self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32, slots: int, lanes: int
     ):
-        """cos/sin of this lane's pairs in [D - R, D) (zeros elsewhere), issued as early as possible;
-        its row's vector j is on lane j % lanes, slot j // lanes (of `slots`)."""
+        """cos/sin of this lane's pairs in [D - R, D) (zeros elsewhere), issued before the PDL wait (but
+        in the scan kernel);
+        its row's vector j is on lane j % lanes, slot j // lanes (of `slots`). Coherent loads whatever
+        the config: ptxas moves a non-coherent load (LDG.CONSTANT) past the wait, a coherent one it keeps."""
         tables = []
         for s in range_constexpr(slots):
             cos = kl.zero_f32_vector(kl.VEC // 2)
@@ -73,7 +75,7 @@ class KernelBase:
             if const_expr((s + 1) * lanes > self.TAIL_VECTOR):
                 j = s * lanes + sub
                 if ok & (j >= self.TAIL_VECTOR):
-                    kl.load_cos_sin_into(cos, sin, kl.base_address(cos_sin_cache), position, (j - self.TAIL_VECTOR) * (kl.VEC // 2), self.ROPE_DIM, self.cfg.non_coherent)  # fmt: skip
+                    kl.load_cos_sin_into(cos, sin, kl.base_address(cos_sin_cache), position, (j - self.TAIL_VECTOR) * (kl.VEC // 2), self.ROPE_DIM, False)  # fmt: skip
             tables.append((cos, sin))
         return tables
 
