@@ -21,13 +21,13 @@ PAD_VECTORS_PER_LANE = 8  # pad heads are zeroed 4 KB per warp pass (32 lanes x 
 # was 1.0-2.0 points of the copy faster at T >= 2048 and 8% slower at T = 1 (each lane's chain 4x longer:
 # results/experiments/bench-h200-writers-qi8.json.gz), so the rows keep the 32 lanes of head-major's
 INTERLEAVED_Q_LANES = 32
-# A compressed writer's call whose kv rows are at most this many bytes loads every row with its position
-# (one dependent DRAM round trip, r times the row bytes it needs); a larger one scans the positions first
-# and loads the boundary rows only (two round trips). On the H200 (the writers bench at de39f48, in the
-# history of results/bench-h200-writers.json): at 2048 rows of D = 128 the plain writer of all rows (no norm) beat the indexer's
-# scan by 1.12-1.18x; at 2048 rows of D = 512 the scan beat the plain writer of all rows by 1.15-1.21x, so
-# D = 512 keeps its earlier 512 rows. 512 KiB is 512 rows of D = 512 and 2048 of D = 128 (bf16 rows).
-SPECULATIVE_BYTES = 512 * 1024
+# A compressed writer's call whose kv rows are at most this many bytes loads every row (r times the row
+# bytes it needs) instead of running the scan kernel (positions first, then the boundary rows only).
+# That saved a dependent round trip while the cos/sin rows were read after the PDL wait; since they are
+# read before it, every row waits for its position anyway, and on the H200 the scan was as fast or
+# faster at every size: T = 1 to 2048, 0 to 11% less time (results/experiments/spec-h200-9c651eb.txt).
+# So every compressed call scans (0); the knob stays for a target where a measurement says otherwise.
+SPECULATIVE_BYTES = 0
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ ROWS_PER_PASS = 2  # rows one warp handles at once
 SLOTS = 1  # 128-bit vectors per lane per row
 TAIL_VECTOR = 8  # first vector of the rotated dims [D - R, D)
 ROW_SPLITS = (1,)  # LaunchConfig.row_split values this module takes (a KV row over k warps)
-SPECULATIVE_ROWS = 2048  # compressed writers: calls up to this many rows load every row without waiting for its position
+SPECULATIVE_ROWS = 0  # compressed writers: calls up to this many rows load every row instead of scanning (codegen/plan.py)
 
 # ---- parity choices: bits of the run-time `numerics` argument (attn_prologue.formats.NumericsFlag) --
 FP4_POSITIVE_ZERO = 2
@@ -197,9 +197,10 @@ class Kernel(KernelBase):
 
     @cute.jit
     def scan_window(self, compress_ratio: Int32, rows: Int32):
-        """(scan, window): a compressed writer's call of more than SPECULATIVE_ROWS rows gives each unit
-        a window of rows to scan, one position per lane, sized so that a window of consecutive positions
-        holds about round_rows group boundaries; any other call gives a unit its round_rows rows."""
+        """(scan, window): a compressed writer's call of more than SPECULATIVE_ROWS rows (0: every one)
+        gives each unit a window of rows to scan, one position per lane, sized so that a window of
+        consecutive positions holds about round_rows group boundaries; any other call gives a unit its
+        round_rows rows."""
         scan = (compress_ratio != 1) & (rows > SPECULATIVE_ROWS)
         window = self.round_rows + Int32(scan) * (cutlass.min(self.round_rows * compress_ratio, 32) - self.round_rows)
         return scan, window

@@ -1,4 +1,4 @@
-"""A compressed writer's large call (more than SPECULATIVE_ROWS rows) scans windows of positions and
+"""A compressed writer's call of more than SPECULATIVE_ROWS rows (0 in the shipped plan: every one) scans windows of positions and
 gives only the group-boundary rows a warp's row work, in rounds: bit for bit against the reference
 with whole-cache compares and poisoned storage, for positions as an engine sends them (runs of
 consecutive positions), random ones, and every row a boundary (the most rounds a window can take),
