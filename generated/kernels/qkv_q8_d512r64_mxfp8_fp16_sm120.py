@@ -310,9 +310,8 @@ class Kernel(KernelBase):
         self.wait_for_producer()
         loaded = []
         for u in range_constexpr(self.cfg.passes_per_warp):
-            # every valid row, boundary or not: a compressed writer's small call does not wait for its
-            # positions to choose (that wait would cost more than the bytes); a large one's rows are the
-            # boundary rows its scan found
+            # every valid row: the plain kernel's (compress ratio 1, or a compressed call of at most
+            # SPECULATIVE_ROWS rows, none in the shipped plan), or the boundary rows the scan found
             r, valid = ids[u][:2]
             src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
             frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]

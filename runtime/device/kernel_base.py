@@ -64,10 +64,9 @@ class KernelBase:
     def load_tail_cos_sin(
         self, ok, position: Int64, cos_sin_cache: cute.Tensor, sub: Int32, slots: int, lanes: int
     ):
-        """cos/sin of this lane's pairs in [D - R, D) (zeros elsewhere), issued before the PDL wait (but
-        in the scan kernel);
-        its row's vector j is on lane j % lanes, slot j // lanes (of `slots`). Coherent loads whatever
-        the config: ptxas moves a non-coherent load (LDG.CONSTANT) past the wait, a coherent one it keeps."""
+        """cos/sin of this lane's pairs in [D - R, D) (zeros elsewhere); its row's vector j is on lane
+        j % lanes, slot j // lanes (of `slots`). Coherent loads whatever the config: callers issue them
+        before the PDL wait, and ptxas moves a non-coherent load (LDG.CONSTANT) past it, a coherent one not."""
         tables = []
         for s in range_constexpr(slots):
             cos = kl.zero_f32_vector(kl.VEC // 2)
