@@ -43,6 +43,10 @@ class LaunchConfig:
     # instruction chain is k times shorter: the decode sizes, where few rows leave SMs idle, finish
     # sooner. Only for modules whose rows need no whole-row reduction (row_split_applies)
     row_split: int = 1
+    # the cos/sin rows loaded after the PDL wait, beside the row loads (the scan kernel always does).
+    # Early (the default) they overlap the kernel before; late, a pass's row loads need not wait for
+    # its positions first, which keeps more bytes in flight in a large call (the tuner picks per bucket)
+    cos_sin_late: bool = False
 
     def __post_init__(self):
         if self.warps_per_cta not in (1, 2, 4, 8, 16, 32):
@@ -89,12 +93,14 @@ class LaunchConfig:
             k += f"_n{self.folded_numerics}"
         if self.row_split > 1:
             k += f"_r{self.row_split}"
+        if self.cos_sin_late:
+            k += "_late"
         return k
 
     @classmethod
     def from_key(cls, key: str) -> LaunchConfig:
         m = re.fullmatch(
-            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?(_d)?(?:_n(\d+))?(?:_r(\d+))?",
+            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?(_d)?(?:_n(\d+))?(?:_r(\d+))?(_late)?",
             key,
         )
         if not m:
@@ -103,7 +109,7 @@ class LaunchConfig:
                 f"not a launch-config key: {key!r}"
                 + (f" (did you mean {close[0]}?)" if close else "")
                 + "; keys read w<warps per CTA>_u<passes per warp>_pdl<0|1>_nc<0|1>[_c<CTAs per SM>]"
-                "[_spread][_cs][_m<min CTAs per SM>][_s32][_lq][_d][_n<folded numerics bits>][_r<warps per KV row>], e.g. w4_u1_pdl1_nc1_cs"
+                "[_spread][_cs][_m<min CTAs per SM>][_s32][_lq][_d][_n<folded numerics bits>][_r<warps per KV row>][_late], e.g. w4_u1_pdl1_nc1_cs"
             )
         return cls(
             int(m.group(1)),
@@ -119,6 +125,7 @@ class LaunchConfig:
             bool(m.group(11)),
             folded_numerics=int(m.group(12) if m.group(12) is not None else -1),
             row_split=int(m.group(13) or 1),
+            cos_sin_late=bool(m.group(14)),
         )
 
     def as_dict(self) -> dict:
@@ -132,7 +139,9 @@ class LaunchConfig:
 def all_configs() -> list[LaunchConfig]:
     """Every config the template supports (the tuner prunes from these; slot width is the caller's)."""
     return [
-        LaunchConfig(w, u, pdl, nc, c, spread, cs, m, lean_quant=lean, defaults_only=dflt, row_split=k)
+        LaunchConfig(
+            w, u, pdl, nc, c, spread, cs, m, lean_quant=lean, defaults_only=dflt, row_split=k, cos_sin_late=late
+        )
         for w in (1, 2, 4, 8, 16, 32)
         for u in (1, 2, 4)
         for pdl in (True, False)
@@ -144,4 +153,5 @@ def all_configs() -> list[LaunchConfig]:
         for lean in (False, True)
         for dflt in (False, True)
         for k in (1, 2, 4)
+        for late in (False, True)
     ]

@@ -210,6 +210,8 @@ PDL_CASES = [  # (streaming configs: their row loads are LDG.EF, told apart from
     ("kv_norm_d128r64_mxfp4_bf16_sm90", "w8_u1_pdl1_nc0_c4_cs"),
     ("qkv_d512r64_fp8_ds_mla_bf16_sm90", "w4_u2_pdl1_nc1_cs"),
     ("qkv_qi_d512r64_mxfp8_bf16_sm100", "w2_u4_pdl1_nc1_spread_cs"),
+    ("qkv_d512r64_nvfp4_dsv4_bf16_sm90", "w4_u1_pdl1_nc1_cs_m12_late"),  # cos/sin after the wait
+    ("kv_d128r64_fp8_token_bf16_sm120", "w4_u2_pdl1_nc1_cs_lq_late"),
 ]
 
 
@@ -217,8 +219,8 @@ def early_cos_sin_loads(variant: str, config: LaunchConfig, kernel: str) -> int:
     """128-bit cos/sin loads per lane that a kernel of the module issues before the PDL wait, from the
     template: for each of a warp's passes_per_warp rows (KV, and Q in a module with Q), a cos and a
     sin vector for each of the lane's slots that reaches the rope tail (KernelBase.load_tail_cos_sin);
-    none in a compressed writer's scan kernel, which loads them after its rows."""
-    if kernel == "scan_kernel":
+    none in a compressed writer's scan kernel, which loads them after its rows, nor with cos_sin_late."""
+    if kernel == "scan_kernel" or config.cos_sin_late:
         return 0
     v = parse_name(variant)
     plan = make_plan(v)

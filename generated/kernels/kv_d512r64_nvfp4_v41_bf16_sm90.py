@@ -273,7 +273,7 @@ class Kernel(KernelBase):
                 else:
                     position = Int64(args.positions[r])
             ids.append((r, valid, slot, position))
-        tables_early = not scan  # (the scan kernel, a large call, loads them after its rows: early, they cost its sm_120 FP4 module a spill)
+        tables_early = not (scan or self.cfg.cos_sin_late)  # (the scan kernel, a large call, loads them after its rows: early, they cost its sm_120 FP4 module a spill)
         early = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             r, valid, slot, position = ids[u]

@@ -286,7 +286,7 @@ class Kernel(KernelBase):
         weights = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
         for s in range_constexpr(self.slots):
             kl.load_vector_into(weights[s], kl.base_address(args.norm_weight), Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, False)  # (coherent: stays before the PDL wait)
-        tables_early = not scan  # (the scan kernel, a large call, loads them after its rows: early, they cost its sm_120 FP4 module a spill)
+        tables_early = not (scan or self.cfg.cos_sin_late)  # (the scan kernel, a large call, loads them after its rows: early, they cost its sm_120 FP4 module a spill)
         early = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             r, valid, slot, position = ids[u]

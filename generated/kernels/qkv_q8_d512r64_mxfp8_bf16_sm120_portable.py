@@ -196,7 +196,8 @@ class Kernel(KernelBase):
     def q_pass(self, p: Int32, lane: Int32, args: Arguments, q_heads: Int32):
         """Rows are the (token, head) pairs of q_in (q_heads = H), head-minor. A row whose position is out of
         range in checked mode is written as zeros. Every row's position load is issued first, then its
-        cos/sin loads (both before the PDL wait), then (after it) its q_in loads, then each row is finished."""
+        cos/sin loads (both before the PDL wait; with cos_sin_late, after the q_in loads), then (after it)
+        its q_in loads, then each row is finished."""
         sub = lane % Q_LANES_PER_ROW
         ids = []
         for u in range_constexpr(self.cfg.passes_per_warp):
@@ -217,7 +218,10 @@ class Kernel(KernelBase):
                 if bad & (h == 0) & (sub == 0):
                     self.count_error(args, 1)  # (waits first: a write)
                 live = live & cutlass.not_(bad)
-            early.append((live, self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub, Q_SLOTS, Q_LANES_PER_ROW)))
+            tables = None
+            if const_expr(not self.cfg.cos_sin_late):
+                tables = self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub, Q_SLOTS, Q_LANES_PER_ROW)
+            early.append((live, position, tables))
         self.wait_for_producer()
         loaded = []
         for u in range_constexpr(self.cfg.passes_per_warp):
@@ -227,7 +231,9 @@ class Kernel(KernelBase):
             if valid:
                 for s in range_constexpr(Q_SLOTS):
                     kl.load_vector_into(frags[s], src, Int64((s * Q_LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
-            live, tables = early[u]
+            live, position, tables = early[u]
+            if const_expr(self.cfg.cos_sin_late):
+                tables = self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub, Q_SLOTS, Q_LANES_PER_ROW)
             loaded.append((t, h, valid, live, frags, tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
             t, h, valid, live, frags, tables = loaded[u]
@@ -289,7 +295,7 @@ class Kernel(KernelBase):
                 slot = Int64(args.slot_mapping[r])
                 position = Int64(args.positions[r])
             ids.append((r, valid, slot, position))
-        tables_early = True
+        tables_early = not self.cfg.cos_sin_late
         early = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             r, valid, slot, position = ids[u]

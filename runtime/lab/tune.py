@@ -26,7 +26,8 @@ from .timing import graph_time_us
 # The default sweep: the knobs that won somewhere on the H200. Persistent grids never did (--space
 # full has them); register caps (min_ctas_per_sm) only pay for 4- and 8-warp CTAs of one pass, at 48
 # resident warps; KV spread only with them, when Q has few heads (results/README.md, ab7). lean_quant
-# won 25 of the writers' 32 entries (results/tune-writers-h200.json.gz).
+# won 25 of the writers' 32 entries (results/tune-writers-h200.json.gz). The cos/sin rows late
+# (cos_sin_late) only where large calls won: 4-warp CTAs of one pass, and the writers' lean configs.
 DEFAULT_SPACE = (
     [
         LaunchConfig(w, u, pdl, nc, streaming=cs)
@@ -54,6 +55,17 @@ DEFAULT_SPACE = (
         LaunchConfig(w, u, True, True, streaming=True, lean_quant=True, defaults_only=True, row_split=2)
         for w in (2, 4, 8, 16)
         for u in (1, 2)
+    ]
+    + [  # the cos/sin rows after the PDL wait, for large calls, on the large calls' winners
+        LaunchConfig(4, 1, pdl, nc, streaming=True, min_ctas_per_sm=m, lean_quant=lean, cos_sin_late=True)
+        for pdl in (True, False)
+        for nc in (True, False)
+        for m in (0, 12)
+        for lean in (False, True)
+    ]
+    + [
+        LaunchConfig(w, 1, True, True, streaming=True, lean_quant=True, defaults_only=True, cos_sin_late=True)
+        for w in (2, 8, 16)
     ]
 )
 

@@ -30,6 +30,7 @@ CONFIG_KEYS = [
     "w4_u1_pdl1_nc1_cs_lq",  # lean_quant: the leaner exact quantization arithmetic
     "w8_u1_pdl1_nc1_cs_d",  # defaults_only: the parity choices folded to the format defaults
     "w4_u2_pdl1_nc1_cs_lq_d_r2",  # row_split: a KV row over 2 warps (only the modules that take it)
+    "w4_u1_pdl1_nc1_cs_lq_late",  # cos_sin_late: the cos/sin rows loaded after the PDL wait
 ]
 CONFIG_VARIANTS = [
     "qkv_d512r64_fp8_ds_mla_bf16_sm90",
