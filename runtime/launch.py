@@ -140,7 +140,18 @@ def all_configs() -> list[LaunchConfig]:
     """Every config the template supports (the tuner prunes from these; slot width is the caller's)."""
     return [
         LaunchConfig(
-            w, u, pdl, nc, c, spread, cs, m, lean_quant=lean, defaults_only=dflt, row_split=k, cos_sin_late=late
+            w,
+            u,
+            pdl,
+            nc,
+            c,
+            spread,
+            cs,
+            m,
+            lean_quant=lean,
+            defaults_only=dflt,
+            row_split=k,
+            cos_sin_late=late,
         )
         for w in (1, 2, 4, 8, 16, 32)
         for u in (1, 2, 4)
