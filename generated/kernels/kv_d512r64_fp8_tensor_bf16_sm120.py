@@ -217,8 +217,8 @@ class Kernel(KernelBase):
     def kv_rows(self, p: Int32, lane: Int32, args: Arguments, scan: cutlass.Constexpr, base: Int64, mask: Int32, scan_position: Int32):
         """Row r of kv goes to slot slot_mapping[r]; a negative slot skips the row. Every row's slot and
         position loads are issued first, then its cos/sin loads once its position is known (inputs read
-        before the PDL wait, so under PDL they overlap the previous kernel; the scan kernel's come
-        after its rows), then (after the wait: wait_for_producer) its kv loads, then each row is finished."""
+        before the PDL wait, so under PDL they overlap the previous kernel; the scan kernel's, and with
+        cos_sin_late every kernel's, come after its rows), then (after the wait: wait_for_producer) its kv loads, then each row is finished."""
         sub = lane % LANES_PER_ROW
         first_row = p * ROWS_PER_PASS + lane // LANES_PER_ROW
         if const_expr(self.cfg.row_split > 1):  # this warp's unit does its part of passes_per_warp rows
