@@ -17,6 +17,7 @@ from attn_prologue.cli import main as cli_main
 from attn_prologue.jit import compiler
 from attn_prologue.lab import bench, provenance, targets, tune
 from attn_prologue.launch import LaunchConfig
+from attn_prologue.variants import generated, parse_name
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = tuning.Environment(
@@ -146,6 +147,17 @@ def test_tune_shapes_follow_the_variant():
     s = tune.shape_for("qkv_q8_d128r64_mxfp4_fp16_sm90", 64, 64, 64)
     assert (s.head_dim, s.cache_format, s.dtype, s.q_fp8, s.op) == (128, "mxfp4", "fp16", True, "qkv")
     assert tune.shape_for("kv_norm_d512r64_fp8_ds_mla_bf16_sm90", 8, 64, 64).op == "kv_norm"
+    assert tune.shape_for("qkv_qi_d512r64_fp8_ds_mla_bf16_sm90", 8, 64, 64).q_layout == "interleaved"
+    # every generated module is reached by its shape's calls, but the _portable twins of natively
+    # converting archs, which the tuner refuses rather than time the native module in their place
+    refused = []
+    for name in sorted(generated()):
+        try:
+            tune.shape_for(name, 8, 64, 64)
+        except ValueError as exc:
+            assert "_portable" in name and name.replace("_portable", "") in str(exc), exc
+            refused.append(name)
+    assert refused and all(parse_name(n).arch.has_native_block_conversions for n in refused)
 
 
 def test_tune_entries_take_the_fastest_config_per_bucket():

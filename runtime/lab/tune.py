@@ -84,12 +84,19 @@ def prune(configs: list[LaunchConfig]) -> list[LaunchConfig]:
 def shape_for(
     variant: str, n: int, h: int, p: int, block_size: int = 64, compress_ratio: int = 1
 ) -> bench.Shape:
+    """The bench shape whose calls run `variant` (on a device of its arch family); a variant no call
+    reaches that way (a `_portable` twin where the arch converts natively) is a ValueError, not a
+    timing of another module."""
     v = parse_name(variant)
-    return bench.Shape(
+    shape = bench.Shape(
         n=n, h=h, p=p, head_dim=v.head_dim, rope_dim=v.rope_dim, cache_format=v.cache_format,
         block_size=block_size, op=v.op.value, dtype=v.io_dtype.value, q_fp8=v.q_out is QOut.FP8,
-        compress_ratio=compress_ratio,
+        q_layout=v.q_layout.value, compress_ratio=compress_ratio,
     )  # fmt: skip
+    reached = shape.request.variant(v.arch).name
+    if reached != variant:
+        raise ValueError(f"the tuner's calls for {variant} would run {reached}: it cannot time {variant}")
+    return shape
 
 
 def _compile_job(cache_root: str, variant: str, config_key: str, target: str) -> tuple[str, str, str | None]:
