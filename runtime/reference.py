@@ -125,17 +125,11 @@ def q_values(
     return rope_tail(x, cos.unsqueeze(1), sin.unsqueeze(1), rope_dim, order)
 
 
-def _layout(q_layout: QLayout | str) -> QLayout:
-    """The member itself when given one: torch.compile (dynamo of torch 2.11) cannot inline the Enum
-    constructor ("failed to bind arguments"), so a compiled caller passes the member."""
-    return q_layout if isinstance(q_layout, QLayout) else QLayout(q_layout)
-
-
 def q_layout_view(q_out: torch.Tensor, n: int, q_layout: QLayout | str = QLayout.HEAD_MAJOR) -> torch.Tensor:
     """q_out[:n] as [n, P, D] in the layout's element order: head-major is q_out itself; interleaved
     puts dim d of head h at (d // 16) * P * 16 + h * 16 + d % 16 of the token's P * D elements."""
     rows = q_out[:n]
-    if _layout(q_layout) is QLayout.HEAD_MAJOR:
+    if QLayout(q_layout) is QLayout.HEAD_MAJOR:
         return rows
     p, d = q_out.shape[1], q_out.shape[2]
     chunks = rows.as_strided((n, d // 16, p, 16), (q_out.stride(0), 16 * p, 16, 1))  # [n, D/16, P, 16]
@@ -160,7 +154,7 @@ def store_q(
     else:
         values = q.to(q_out.dtype)
     out = q_layout_view(q_out.view(torch.uint8) if fp8 else q_out, n, q_layout)
-    if _layout(q_layout) is QLayout.INTERLEAVED:
+    if QLayout(q_layout) is QLayout.INTERLEAVED:
         values = values.reshape(n, h, d // 16, 16)
     out[:, :h] = values
     if write_pad_heads:

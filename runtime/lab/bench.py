@@ -254,10 +254,6 @@ def op_fns(
     fns = []
     for s in sets:
         args, kw = call_args(shape, s)
-        if (
-            impl != "kernel" and "q_layout" in kw
-        ):  # the member, which torch.compile traces (reference._layout)
-            kw["q_layout"] = QLayout(kw["q_layout"])
         fns.append(functools.partial(fn, *args, **kw, **extra))
     return fns
 
