@@ -89,7 +89,10 @@ class ArchSpec:
 SM90_MEASURED = (
     "Measured on the H200: 4-warp CTAs are the best or within 1% of it from T=256 up, 2-warp CTAs "
     "1.2x (D=512) and 2.2x (D=128) slower at T=2048-8192 (the tune sweeps in results/); streaming hints "
-    "(.cs) on the q/kv rows and q_out 0.3-4% faster at T >= 512 (results/experiments/ab2_*.json)."
+    "(.cs) on the q/kv rows and q_out 0.3-4% faster at T >= 512 (results/experiments/ab2_*.json); the "
+    "cos/sin rows read before the PDL wait (cos_sin_late off) 0.19-0.34 us faster at T <= 64 and within "
+    "1% of late for qkv at T >= 2048 (results/experiments/tune-qkv-*-h200-dae04a2.json.gz): a load "
+    "order, so it carries to every family."
 )
 
 ARCH_SPECS = {
