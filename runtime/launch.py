@@ -8,6 +8,7 @@ checking: `checked`), so one compiled object serves every such choice.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from dataclasses import asdict, dataclass, fields
 
@@ -104,7 +105,7 @@ class LaunchConfig:
             key,
         )
         if not m:
-            close = difflib.get_close_matches(key, [c.key for c in all_configs()], n=1)
+            close = difflib.get_close_matches(key, _keys_like(key), n=1)
             raise ValueError(
                 f"not a launch-config key: {key!r}"
                 + (f" (did you mean {close[0]}?)" if close else "")
@@ -134,6 +135,18 @@ class LaunchConfig:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+@functools.cache
+def _all_keys() -> tuple[str, ...]:
+    return tuple(c.key for c in all_configs())
+
+
+def _keys_like(key: str) -> list[str]:
+    """The keys to suggest from: those of the same warps and passes when there are any (difflib over
+    all 55k keys takes seconds)."""
+    head = "_".join(key.split("_")[:2]) + "_"
+    return [k for k in _all_keys() if k.startswith(head)] or list(_all_keys())
 
 
 def all_configs() -> list[LaunchConfig]:
