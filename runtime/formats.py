@@ -102,12 +102,10 @@ class CacheFormat:
         or a field or value the format does not have (e.g. a UE8M0 floor on an NVFP4 format), is a
         NumericsError naming what it has."""
         numerics = Numerics.of(numerics)
-        if (
-            numerics is None or numerics is self.numerics
-        ):  # (what this returned before: the reference passes it on)
-            return (
-                self.numerics
-            )  # (and torch.compile need not trace the enum iteration below, which torch 2.11 cannot)
+        if numerics is None or numerics is self.numerics:
+            # (its own resolved choices, which the reference passes on, come back as they are: torch
+            # 2.11's dynamo cannot trace the enum iteration below)
+            return self.numerics
         out = {k: getattr(self.numerics, k) for k in CHOICE_TYPES}
         layers = [numerics.given()]
         if numerics.preset is not None:

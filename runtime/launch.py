@@ -46,7 +46,8 @@ class LaunchConfig:
     row_split: int = 1
     # the cos/sin rows loaded after the PDL wait, beside the row loads (the scan kernel always does).
     # Early (the default) they overlap the kernel before; late, a pass's row loads need not wait for
-    # its positions first, which keeps more bytes in flight in a large call (the tuner picks per bucket)
+    # its positions first. On the H200 late never helped qkv and moved the KV writers by -7..+4% at
+    # T >= 2048 (docs/performance.md): the tuner picks it per bucket
     cos_sin_late: bool = False
 
     def __post_init__(self):

@@ -194,9 +194,9 @@ class Kernel(KernelBase):
     @cute.jit
     def q_pass(self, p: Int32, lane: Int32, args: Arguments, q_heads: Int32):
         """Rows are the (token, head) pairs of q_in (q_heads = H), head-minor. A row whose position is out of
-        range in checked mode is written as zeros. Every row's position load is issued first, then its
-        cos/sin loads (both before the PDL wait; with cos_sin_late, after the q_in loads), then (after it)
-        its q_in loads, then each row is finished."""
+        range in checked mode is written as zeros. Every row's position load is issued first and its cos/sin
+        loads next, both before the PDL wait; after the wait its q_in loads (with cos_sin_late, each followed
+        by the row's cos/sin loads instead); then each row is finished."""
         sub = lane % Q_LANES_PER_ROW
         ids = []
         for u in range_constexpr(self.cfg.passes_per_warp):
