@@ -144,6 +144,9 @@ def make_plan(v: Variant) -> dict:
         # ScaleFloor.SCALE as the least UE8M0 byte: 127 + ceil(log2(fl32(floor))), for AmaxFloor.E4 / E8
         "floor_bytes": tuple(ceil_log2_f32(float(v.value)) + 127 for v in AmaxFloor),
         "needs_e2m1": f.element is ElementCode.E2M1,
+        # E2M1 codes of rows in the I/O dtype (lean_quant): float16 pairs in software, exact where the value
+        # coded is x * 2^-e or the quotient x / s (mxfp4, nvfp4_v41), not x * fl(1 / s) (nvfp4_dsv4)
+        "e2m1_io_codes": f.element is ElementCode.E2M1 and (f.scale is ScaleCode.UE8M0 or f.divide_by_scale),
         "needs_ue8m0": f.scale in (ScaleCode.UE8M0, ScaleCode.F32_POW2),
         "q_flags": {flag.name: int(flag) for flag in QFlag} if v.op.has_q else {},
         "interleaved": v.q_layout is QLayout.INTERLEAVED,

@@ -59,16 +59,74 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     exact value), and round-to-odd at 53 bits followed by round-to-nearest at 24 bits is a single
     correct rounding. Non-finite sums are left to float64 arithmetic (same IEEE result).
     """
-    a64, b64, c64 = a.double(), b.double(), c.double()
-    p = a64 * b64
+    return _sum_round_to_odd(a.double() * b.double(), c.double()).to(torch.float32)
+
+
+def _sum_round_to_odd(p: torch.Tensor, c64: torch.Tensor) -> torch.Tensor:
+    """p + c in float64 rounded to odd (fma_f32)."""
     s = p + c64
     bv = s - p
     err = (p - (s - bv)) + (c64 - bv)
     even = (s.view(torch.int64) & 1) == 0
     fix = (err != 0) & even & torch.isfinite(s) & torch.isfinite(err)
     toward = torch.where(err > 0, torch.full_like(s, float("inf")), torch.full_like(s, float("-inf")))
-    s = torch.where(fix, torch.nextafter(s, toward), s)
-    return s.to(torch.float32)
+    return torch.where(fix, torch.nextafter(s, toward), s)
+
+
+# ---- float16 pairs (the SM90 E2M1 codes under lean_quant: templates/conversions/portable.jinja) ----
+def round_f16(v: torch.Tensor) -> torch.Tensor:
+    """float64 -> the nearest-even float16 value, as float64: 11 significant bits, below 2^-14 the fixed
+    quantum 2^-24, a magnitude past 65504 + 16 -> Inf (scalings by powers of two and torch.round, which
+    ties to even, are exact in float64)."""
+    v = v.double()
+    a = v.abs()
+    _, e = torch.frexp(a)
+    quantum = torch.where(a < 2.0**-14, torch.full_like(a, 2.0**-24), torch.ldexp(torch.ones_like(a), e - 11))
+    r = torch.round(a / quantum) * quantum
+    r = torch.where(r >= 65520.0, torch.full_like(r, float("inf")), r)
+    return torch.copysign(torch.where(torch.isfinite(a), r, a), v)
+
+
+def fma_f16(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fma.rn.f16x2 on one half: a*b + c rounded once (round-to-odd at 53 bits, then to 11, as fma_f32)."""
+    return round_f16(_sum_round_to_odd(a.double() * b.double(), c.double()))
+
+
+def _f16_min_max(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """max.f16x2(min.f16x2(x, hi), lo): each returns its other operand for NaN, so NaN -> hi."""
+    c = torch.where(torch.isnan(x), hi, torch.minimum(x, hi))
+    return torch.maximum(c, lo)
+
+
+def _f16_bits(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF  # (v is a float16 value: exact)
+
+
+def e2m1_codes_in_f16(mags: torch.Tensor, clamped: torch.Tensor) -> torch.Tensor:
+    """The codes of e2m1_word_of_f16, one half at a time: magnitudes `mags` in [0, 6] (float16 values),
+    signs from `clamped`. p = bits(max(a, 1)) & 0x7C00; t = a + 512 * 2^k rounded once;
+    code = bits(t) - p + (p >> 9) - 0x241E."""
+    p = _f16_bits(torch.maximum(mags, torch.ones_like(mags))) & 0x7C00
+    t = fma_f16(torch.ldexp(torch.ones_like(mags), (p >> 10) - 15), torch.full_like(mags, 512.0), mags)
+    code = _f16_bits(t) - p + (p >> 9) - 0x241E
+    return (code | torch.signbit(clamped).to(torch.int32) << 3).to(torch.uint8)
+
+
+def e2m1_pack_codes_in_f16(y: torch.Tensor) -> torch.Tensor:
+    """e2m1_pack8_in_f16 per value (mxfp4: y = x * 2^-e in float32): float16 rounding, clamp to +-6."""
+    six = torch.full_like(y, E2M1_MAX, dtype=torch.float64)
+    c = _f16_min_max(round_f16(y.double()), -six, six)
+    return e2m1_codes_in_f16(c.abs(), c)
+
+
+def e2m1_quotient_codes_in_f16(x: torch.Tensor, s: torch.Tensor, recip: torch.Tensor) -> torch.Tensor:
+    """e2m1_quotient_codes_in_f16 per value (nvfp4_v41): x float32, s its group's e4m3 scale, `recip`
+    the float16 reciprocal the kernel uses (within one float16 ulp of 1 / s)."""
+    limit = 6.0 * s.double()
+    c = _f16_min_max(round_f16(x.double()), -limit, limit)
+    a = c.abs()
+    q = round_f16(a * recip)
+    return e2m1_codes_in_f16(fma_f16(fma_f16(q, -s.double(), a), recip, q), c)
 
 
 def ceil_log2_exponent(r: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attn_prologue import numerics as nx
+from attn_prologue.launch import LaunchConfig
 
 CHUNK = 1 << 24
 
@@ -139,3 +140,79 @@ def test_the_unsaturated_magic_rounding_is_used_only_where_the_kernel_clamped_fi
         assert f"in_range={clamped}" in text and f"in_range={not clamped}" not in text, name
         seen.add((f.name, clamped))
     assert seen == {("mxfp4", False), ("nvfp4_dsv4", False), ("nvfp4_v41", True)}
+
+
+# ---- E2M1 codes in float16 pairs (lean_quant with the rows in the I/O dtype: mxfp4, nvfp4_v41 on SM90) ----
+def test_the_float16_rounding_twin_is_torchs_conversion():
+    """numerics.round_f16 (the oracle of the float16 arithmetic below) against torch's float32 -> float16
+    conversion on every float32 of [2^-26, 2^17) and its negatives: normals, subnormals, overflow."""
+    x = patterns(101 << 23, 43 << 23)[::101]
+    x = torch.cat((x, -x, torch.tensor([0.0, -0.0, float("inf"), float("-inf")])))
+    assert torch.equal(nx.round_f16(x.double()).float(), x.to(torch.float16).float())
+
+
+def test_float16_magic_codes_equal_the_reference_for_every_half_up_to_6():
+    a = torch.arange(0, 0x4601, dtype=torch.int32).to(torch.int16).view(torch.float16).double()
+    for sign in (1.0, -1.0):
+        assert torch.equal(nx.e2m1_codes_in_f16(a, sign * a), nx.e2m1_codes((sign * a).float()))
+
+
+def every_value(dtype) -> torch.Tensor:
+    return torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(dtype).to(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float16_quotient_codes_equal_the_ieee_quotient_codes(dtype):
+    """Every value of the I/O dtype (NaN, Inf and zeros of both signs included) over every positive e4m3
+    scale, with the float16 reciprocal RN(1/s) and either float16 neighbour (the kernel rounds
+    rcp.approx.f32, within an ulp of 1/s, to float16): codes = e2m1 of the IEEE quotient (nvfp4_v41)."""
+    x = every_value(dtype)
+    for s in e4m3_positive_values():
+        want = nx.e2m1_codes(x / s)
+        r = nx.round_f16(1.0 / s.double())
+        for recip in (
+            r,
+            torch.nextafter(r.half(), torch.tensor(0.0).half()).double(),
+            torch.nextafter(r.half(), torch.tensor(1e4).half()).double(),
+        ):
+            got = nx.e2m1_quotient_codes_in_f16(x, s.expand_as(x), recip)
+            assert torch.equal(got, want), (float(s), float(recip))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float16_pack_codes_equal_the_reference_for_every_scaled_value(dtype):
+    """y = x * 2^-e for every value x of the I/O dtype and every UE8M0 exponent e the mxfp4 rows can take
+    (a row's e is ceil(log2(amax / 6)) in [-127, 127]): codes of the float16 path = e2m1 of y."""
+    x = every_value(dtype)
+    for e in range(-127, 128, 1):
+        y = x * 2.0**-e
+        assert torch.equal(nx.e2m1_pack_codes_in_f16(y), nx.e2m1_codes(y)), e
+
+
+def test_float16_codes_run_only_where_the_rows_are_in_the_io_dtype():
+    """The float16 path (proven above for I/O-dtype values only) is traced where lean_quant is on and the
+    parity choices are folded to rows rounded through the I/O dtype: the format defaults (defaults_only)
+    or a folded preset without RotatedRow.FP32. Run-time choices, or FP32 rows, keep the float32 path."""
+    import dataclasses
+
+    from attn_prologue.jit import compiler
+    from attn_prologue.parity import NumericsFlag
+
+    lean = dataclasses.replace(LaunchConfig(), lean_quant=True)
+    expected = {
+        LaunchConfig(): False,
+        lean: False,
+        dataclasses.replace(lean, defaults_only=True): True,
+        dataclasses.replace(lean, folded_numerics=0): True,
+        dataclasses.replace(lean, folded_numerics=int(NumericsFlag.FP32_ROTATED_ROW)): False,
+    }
+    for variant in (
+        "kv_d512r64_nvfp4_v41_bf16_sm90",
+        "kv_d128r64_mxfp4_fp16_sm90",
+        "qkv_d128r64_mxfp4_bf16_sm90",
+    ):
+        kernel = compiler.load_module(variant).Kernel
+        assert {config: kernel(config).e2m1_in_f16 for config in expected} == expected, variant
+    # no float16 path: x * fl(1 / s) (nvfp4_dsv4) is not exact in float16; SM120 converts in hardware
+    for variant in ("kv_d512r64_nvfp4_dsv4_bf16_sm90", "kv_d512r64_nvfp4_v41_bf16_sm120"):
+        assert not hasattr(compiler.load_module(variant).Kernel(lean), "e2m1_in_f16"), variant

@@ -69,6 +69,77 @@ def e2m1_pack8(y, lean: bool, in_range: bool) -> Uint32:
     for i in range(8):
         word = word | (e2m1_code(y[i]) << Uint32(4 * i))
     return word
+
+
+# The *_io functions: E2M1 codes of rows in the I/O dtype (lean_quant), in float16 pairs: value i in the low half
+# of word i, value i + 4 in the high half, so that the 4 words' codes land in one word by shifts of 4i.
+# Exact where the row holds I/O-dtype values (proven on the CPU for every bf16 and fp16 value and every
+# scale: tests/test_lean_quant_cpu.py; twins numerics.e2m1_pack_codes_in_f16 and e2m1_quotient_codes_in_f16).
+F16_ONES, F16_512, F16_SIXES = 0x3C003C00, 0x60006000, 0x46004600  # (1.0, 1.0), (512, 512), (6, 6)
+F16_BIAS = 0x241E241E  # a code word's t - p + (p >> 9) minus its code, per half (e2m1_word_of_f16)
+
+
+def f16x2(op: str, *words) -> Uint32:
+    """One packed-half PTX instruction `op` on 32-bit words (e.g. "min.f16x2"); a Python int is a
+    constant word, moved into a register inside the asm (packed-half operands take no immediates)."""
+    names, regs, movs = [], [], []
+    for w in words:
+        if isinstance(w, int):
+            names.append(f"k{len(movs)}")
+            movs.append(f" mov.b32 k{len(movs)}, {w:#010x};")
+        else:
+            names.append("{$r" + str(len(regs)) + "}")
+            regs.append(w)
+    decl = " .reg .b32 " + ", ".join(f"k{i}" for i in range(len(movs))) + ";" if movs else ""
+    return cute.arch.inline_ptx(
+        "{" + decl + "".join(movs) + " " + op + " {$w0}, " + ", ".join(names) + "; }",
+        write_only_types=[Uint32],
+        read_only_args=regs,
+    )
+
+
+def f16_pair(lo: Float32, hi: Float32) -> Uint32:
+    """(RN(lo), RN(hi)) as one float16x2 word (cvt.rn.f16x2.f32 takes the high half first)."""
+    return cute.arch.inline_ptx(
+        "cvt.rn.f16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32], read_only_args=[hi, lo]
+    )
+
+
+def e2m1_word_of_f16(mags, signs) -> Uint32:
+    """One word of 8 e2m1 codes from 4 float16x2 words of magnitudes in [0, 6] (`mags`) and 4 words whose
+    bits 15 and 31 are the signs (`signs`). Per half, with 2^k = max(2^floor(log2 a), 1): t = a + 512 * 2^k
+    rounds a at the e2m1 spacing 2^(k-1) (one rounding, nearest even), and code = steps + 2k =
+    bits(t) - p + (p >> 9) - 0x241E where p = bits(2^k): the 32-bit arithmetic keeps the halves apart
+    (each half's result is in [0, 2^16); p has no bits below 10). The bias is taken off once."""
+    word = Uint32(0)
+    for i in range(4):
+        p = f16x2("max.f16x2", mags[i], F16_ONES) & Uint32(0x7C007C00)
+        t = f16x2("fma.rn.f16x2", p, F16_512, mags[i])
+        word = word + ((t + (p >> Uint32(9)) - p) << Uint32(4 * i))
+        word = word + ((signs[i] & Uint32(0x80008000)) >> Uint32(12 - 4 * i))
+    return word - Uint32(sum(F16_BIAS << (4 * i) for i in range(4)) % 2**32)
+
+
+def e2m1_quotient_codes_io(x, s: Float32, s_pair: Uint32) -> Uint32:
+    """One word of the e2m1 codes of RN(x_i / s) for 8 I/O-dtype values x and a positive e4m3 scale s
+    (nvfp4_v41; `s_pair` is (s, s) in float16, e4m3_round's third value): x clamped to +-6s (NaN -> +6s),
+    then per magnitude a, q = RN(a * r) and one exact correction q + RN(a - q * s) * r, all in float16
+    pairs, with r the float16 rounding of rcp.approx(s) (within one float16 ulp of RN(1/s): every such r
+    is proven). An exact quotient lands on a decision point of the e2m1 grid only if x / s is one (x has
+    11 bits at most, s 4), so its float16 rounding keeps every code."""
+    r = cute.arch.inline_ptx("rcp.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[s])
+    recip = f16_pair(r, r)
+    limit = f16x2("mul.rn.f16x2", s_pair, F16_SIXES)  # exact: 6 times an e4m3 value
+    clamped = [
+        f16x2("max.f16x2", f16x2("min.f16x2", f16_pair(x[i], x[i + 4]), limit), limit | Uint32(0x80008000))
+        for i in range(4)
+    ]
+    mags = []
+    for c in clamped:
+        a = c & Uint32(0x7FFF7FFF)
+        q = f16x2("mul.rn.f16x2", a, recip)
+        mags.append(f16x2("fma.rn.f16x2", f16x2("fma.rn.f16x2", q, s_pair ^ Uint32(0x80008000), a), recip, q))
+    return e2m1_word_of_f16(mags, clamped)
 # ---- end conversions ---------------------------------------------------------------------------
 
 
@@ -112,6 +183,10 @@ class Kernel(KernelBase):
         self.row_lanes = LANES_PER_ROW * config.row_split  # a KV row's lanes, over row_split warps: vector j -> lane j % row_lanes
         self.slots = SLOTS // config.row_split  # 128-bit vectors per lane per KV row
         self.round_rows = config.passes_per_warp * ROWS_PER_PASS  # KV rows one unit takes at once
+        # lean_quant, and the parity choices folded to rows rounded through the I/O dtype: the E2M1 codes of
+        # the conversions' *_io functions (exact for such rows only)
+        numerics = DEFAULT_NUMERICS if config.defaults_only else config.folded_numerics
+        self.lean_io_rows = config.lean_quant and numerics >= 0 and not numerics & FP32_ROTATED_ROW
 
     @cute.jit
     def __call__(
@@ -297,11 +372,12 @@ class Kernel(KernelBase):
             # every valid row: the plain kernel's (compress ratio 1, or a compressed call of at most
             # SPECULATIVE_ROWS rows, none in the shipped plan), or the boundary rows the scan found
             r, valid = ids[u][:2]
-            src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
+            # a row past the last reads the last row instead (a KV pass runs only where there is one): no
+            # predicated loads and zero fills; it stores nothing (its slot is -1)
+            src = kl.base_address(args.kv) + cutlass.select_(valid, Int64(r), Int64(args.slot_mapping.shape[0] - 1)) * args.kv.stride[0] * 2
             frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
-            if valid:
-                for s in range_constexpr(self.slots):
-                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+            for s in range_constexpr(self.slots):
+                kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             slot, ok, position, tables = early[u]
             if const_expr(not tables_early):
                 tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
@@ -336,13 +412,15 @@ class Kernel(KernelBase):
                     amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
                     quot = amax * Float32(1.0 / ELEMENT_MAX)
                     quot = kl.fmin(kl.fmax(quot, Float32(SCALE_MIN)), Float32(SCALE_MAX))
-                    byte, scale = kl.e4m3_round(quot)
-                    if const_expr(self.cfg.lean_quant):
-                        y = kl.quotients_by_e4m3(xr[s], scale)  # the IEEE quotients of x clamped to +-6s
+                    byte, scale, scale_pair = kl.e4m3_round(quot)
+                    if const_expr(self.lean_io_rows):
+                        packed = e2m1_quotient_codes_io(xr[s], scale, scale_pair)
                     else:
-                        y = xr[s] / scale  # IEEE division: an exact tie stays a tie
-
-                    packed = e2m1_pack8(y, self.cfg.lean_quant, in_range=True)
+                        if const_expr(self.cfg.lean_quant):
+                            y = kl.quotients_by_e4m3(xr[s], scale)  # the IEEE quotients of x clamped to +-6s
+                        else:
+                            y = xr[s] / scale  # IEEE division: an exact tie stays a tie
+                        packed = e2m1_pack8(y, self.cfg.lean_quant, in_range=True)
                     if (args.numerics & FP4_POSITIVE_ZERO) != 0:
                         packed = kl.e2m1_positive_zeros(packed)
                     if ok:

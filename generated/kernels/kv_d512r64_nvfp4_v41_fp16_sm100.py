@@ -58,6 +58,12 @@ def e2m1_pack8(y, lean: bool, in_range: bool) -> Uint32:
         write_only_types=[Uint32],
         read_only_args=[y[i] for i in range(8)],
     )
+
+
+def e2m1_quotient_codes_io(x, s: Float32, s_pair: Uint32) -> Uint32:
+    """The portable modules' float16 path for rows in the I/O dtype; here the hardware conversion, already
+    one instruction a pair, of lean_quant's quotients x / s."""
+    return e2m1_pack8(kl.quotients_by_e4m3(x, s), True, in_range=True)
 # ---- end conversions ---------------------------------------------------------------------------
 
 
@@ -101,6 +107,10 @@ class Kernel(KernelBase):
         self.row_lanes = LANES_PER_ROW * config.row_split  # a KV row's lanes, over row_split warps: vector j -> lane j % row_lanes
         self.slots = SLOTS // config.row_split  # 128-bit vectors per lane per KV row
         self.round_rows = config.passes_per_warp * ROWS_PER_PASS  # KV rows one unit takes at once
+        # lean_quant, and the parity choices folded to rows rounded through the I/O dtype: the E2M1 codes of
+        # the conversions' *_io functions (exact for such rows only)
+        numerics = DEFAULT_NUMERICS if config.defaults_only else config.folded_numerics
+        self.lean_io_rows = config.lean_quant and numerics >= 0 and not numerics & FP32_ROTATED_ROW
 
     @cute.jit
     def __call__(
@@ -286,11 +296,12 @@ class Kernel(KernelBase):
             # every valid row: the plain kernel's (compress ratio 1, or a compressed call of at most
             # SPECULATIVE_ROWS rows, none in the shipped plan), or the boundary rows the scan found
             r, valid = ids[u][:2]
-            src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
+            # a row past the last reads the last row instead (a KV pass runs only where there is one): no
+            # predicated loads and zero fills; it stores nothing (its slot is -1)
+            src = kl.base_address(args.kv) + cutlass.select_(valid, Int64(r), Int64(args.slot_mapping.shape[0] - 1)) * args.kv.stride[0] * 2
             frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
-            if valid:
-                for s in range_constexpr(self.slots):
-                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+            for s in range_constexpr(self.slots):
+                kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             slot, ok, position, tables = early[u]
             if const_expr(not tables_early):
                 tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
@@ -325,13 +336,15 @@ class Kernel(KernelBase):
                     amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
                     quot = amax * Float32(1.0 / ELEMENT_MAX)
                     quot = kl.fmin(kl.fmax(quot, Float32(SCALE_MIN)), Float32(SCALE_MAX))
-                    byte, scale = kl.e4m3_round(quot)
-                    if const_expr(self.cfg.lean_quant):
-                        y = kl.quotients_by_e4m3(xr[s], scale)  # the IEEE quotients of x clamped to +-6s
+                    byte, scale, scale_pair = kl.e4m3_round(quot)
+                    if const_expr(self.lean_io_rows):
+                        packed = e2m1_quotient_codes_io(xr[s], scale, scale_pair)
                     else:
-                        y = xr[s] / scale  # IEEE division: an exact tie stays a tie
-
-                    packed = e2m1_pack8(y, self.cfg.lean_quant, in_range=True)
+                        if const_expr(self.cfg.lean_quant):
+                            y = kl.quotients_by_e4m3(xr[s], scale)  # the IEEE quotients of x clamped to +-6s
+                        else:
+                            y = xr[s] / scale  # IEEE division: an exact tie stays a tie
+                        packed = e2m1_pack8(y, self.cfg.lean_quant, in_range=True)
                     if (args.numerics & FP4_POSITIVE_ZERO) != 0:
                         packed = kl.e2m1_positive_zeros(packed)
                     if ok:

@@ -76,6 +76,12 @@ def e2m1_pack8(y, lean: bool, in_range: bool) -> Uint32:
         write_only_types=[Uint32],
         read_only_args=[y[i] for i in range(8)],
     )
+
+
+def e2m1_pack8_io(y) -> Uint32:
+    """The portable modules' float16 path for rows in the I/O dtype; here the hardware conversion, already
+    one instruction a pair, of y."""
+    return e2m1_pack8(y, True, in_range=False)
 # ---- end conversions ---------------------------------------------------------------------------
 
 
@@ -128,6 +134,10 @@ class Kernel(KernelBase):
         self.row_lanes = LANES_PER_ROW * config.row_split  # a KV row's lanes, over row_split warps: vector j -> lane j % row_lanes
         self.slots = SLOTS // config.row_split  # 128-bit vectors per lane per KV row
         self.round_rows = config.passes_per_warp * ROWS_PER_PASS  # KV rows one unit takes at once
+        # lean_quant, and the parity choices folded to rows rounded through the I/O dtype: the E2M1 codes of
+        # the conversions' *_io functions (exact for such rows only)
+        numerics = DEFAULT_NUMERICS if config.defaults_only else config.folded_numerics
+        self.lean_io_rows = config.lean_quant and numerics >= 0 and not numerics & FP32_ROTATED_ROW
 
     @cute.jit
     def __call__(
@@ -329,11 +339,12 @@ class Kernel(KernelBase):
             # every valid row: the plain kernel's (compress ratio 1, or a compressed call of at most
             # SPECULATIVE_ROWS rows, none in the shipped plan), or the boundary rows the scan found
             r, valid = ids[u][:2]
-            src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
+            # a row past the last reads the last row instead (a KV pass runs only where there is one): no
+            # predicated loads and zero fills; it stores nothing (its slot is -1)
+            src = kl.base_address(args.kv) + cutlass.select_(valid, Int64(r), Int64(args.slot_mapping.shape[0] - 1)) * args.kv.stride[0] * 2
             frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
-            if valid:
-                for s in range_constexpr(self.slots):
-                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+            for s in range_constexpr(self.slots):
+                kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             slot, ok, position, tables = early[u]
             if const_expr(not tables_early):
                 tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
@@ -371,7 +382,10 @@ class Kernel(KernelBase):
                     e = Int32(byte) - 127
                     y = xr[s] * kl.scale_multiplier(e)
 
-                    packed = e2m1_pack8(y, self.cfg.lean_quant, in_range=False)
+                    if const_expr(self.lean_io_rows):
+                        packed = e2m1_pack8_io(y)
+                    else:
+                        packed = e2m1_pack8(y, self.cfg.lean_quant, in_range=False)
                     if (args.numerics & FP4_POSITIVE_ZERO) != 0:
                         packed = kl.e2m1_positive_zeros(packed)
                     if ok:

@@ -263,19 +263,21 @@ def e4m3_vector(values) -> cute.Tensor:
 
 
 def e4m3_round(r: Float32):
-    """r -> (its e4m3 byte, that byte's value as float32): cvt.rn.satfinite.e4m3x2.f32 (every target),
-    then back through cvt.rn.f16x2.e4m3x2 (exact: every e4m3 value is a float16)."""
-    pair, value = cute.arch.inline_ptx(
+    """r -> (its e4m3 byte, that byte's value as float32, the value twice as a float16x2 word):
+    cvt.rn.satfinite.e4m3x2.f32 (every target), then back through cvt.rn.f16x2.e4m3x2 (exact: every
+    e4m3 value is a float16)."""
+    pair, value, halves = cute.arch.inline_ptx(
         "{ .reg .b16 e4pair, e4lo, e4hi; .reg .b32 e4h;\n"
         " cvt.rn.satfinite.e4m3x2.f32 e4pair, {$r0}, {$r0};\n"
         " cvt.rn.f16x2.e4m3x2 e4h, e4pair;\n"
         " mov.b32 {e4lo, e4hi}, e4h;\n"
         " cvt.f32.f16 {$w1}, e4lo;\n"
+        " mov.b32 {$w2}, e4h;\n"
         " mov.b16 {$w0}, e4pair; }",
-        write_only_types=[cutlass.Uint16, Float32],
+        write_only_types=[cutlass.Uint16, Float32, Uint32],
         read_only_args=[r],
     )
-    return Uint32(pair) & Uint32(0xFF), value
+    return Uint32(pair) & Uint32(0xFF), value, halves
 
 
 def e2m1_positive_zeros(word: Uint32) -> Uint32:

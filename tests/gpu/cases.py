@@ -31,6 +31,7 @@ CONFIG_KEYS = [
     "w8_u1_pdl1_nc1_cs_d",  # defaults_only: the parity choices folded to the format defaults
     "w4_u2_pdl1_nc1_cs_lq_d_r2",  # row_split: a KV row over 2 warps (only the modules that take it)
     "w4_u1_pdl1_nc1_cs_lq_late",  # cos_sin_late: the cos/sin rows loaded after the PDL wait
+    "w4_u1_pdl1_nc1_cs_lq_d",  # lean_quant with defaults_only: the SM90 E2M1 codes in float16 pairs
 ]
 CONFIG_VARIANTS = [
     "qkv_d512r64_fp8_ds_mla_bf16_sm90",
@@ -38,6 +39,8 @@ CONFIG_VARIANTS = [
     "qkv_q8_d128r64_fp8_token_bf16_sm90",
     "kv_norm_d512r64_mxfp8_bf16_sm90",
     "kv_d512r64_nvfp4_v41_bf16_sm90",  # lean_quant's x / s, 1 / s and E2M1 rounding
+    "kv_d512r64_nvfp4_v41_fp16_sm90",  # the float16 quotient codes of fp16 rows
+    "kv_norm_d128r64_mxfp4_bf16_sm90",  # the float16 codes after the weighted norm
     "qkv_d512r64_nvfp4_dsv4_bf16_sm90",  # lean_quant's amax / 6 and 1 / s
 ]
 
