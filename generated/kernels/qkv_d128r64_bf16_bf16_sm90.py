@@ -295,10 +295,10 @@ class Kernel(KernelBase):
             # every valid row: the plain kernel's (compress ratio 1, or a compressed call of at most
             # SPECULATIVE_ROWS rows, none in the shipped plan), or the boundary rows the scan found
             r, valid = ids[u][:2]
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
             # a row past the last reads the last row instead (a KV pass runs only where there is one): no
             # predicated loads and zero fills; it stores nothing (its slot is -1)
             src = kl.base_address(args.kv) + cutlass.select_(valid, Int64(r), Int64(args.slot_mapping.shape[0] - 1)) * args.kv.stride[0] * 2
-            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
             for s in range_constexpr(self.slots):
                 kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             slot, ok, position, tables = early[u]
@@ -326,7 +326,7 @@ class Kernel(KernelBase):
                 o = slot - block * Int64(args.block_size)
                 data = page + o * DATA_BYTES
                 for s in range_constexpr(self.slots):
-                    values = kl.register_vector(xr[s], cutlass.BFloat16)
+                    values = kl.bf16_vector(xr[s])
                     if ok:
                         kl.store_vector(values, data, Int64((s * self.row_lanes + sub) * 16), cutlass.BFloat16, 16)
 

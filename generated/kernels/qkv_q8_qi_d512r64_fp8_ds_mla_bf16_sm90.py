@@ -326,10 +326,10 @@ class Kernel(KernelBase):
             # every valid row: the plain kernel's (compress ratio 1, or a compressed call of at most
             # SPECULATIVE_ROWS rows, none in the shipped plan), or the boundary rows the scan found
             r, valid = ids[u][:2]
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
             # a row past the last reads the last row instead (a KV pass runs only where there is one): no
             # predicated loads and zero fills; it stores nothing (its slot is -1)
             src = kl.base_address(args.kv) + cutlass.select_(valid, Int64(r), Int64(args.slot_mapping.shape[0] - 1)) * args.kv.stride[0] * 2
-            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
             for s in range_constexpr(self.slots):
                 kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             slot, ok, position, tables = early[u]
@@ -385,7 +385,7 @@ class Kernel(KernelBase):
                             if sub % LANES_PER_BLOCK == 0:
                                 kl.store_byte(scales, Int64(j // LANES_PER_BLOCK), byte)
                         else:
-                            tail = kl.register_vector(xr[s], cutlass.BFloat16)
+                            tail = kl.bf16_vector(xr[s])
                             kl.store_vector(tail, data, Int64(QUANT_VECTORS * 8 + (j - QUANT_VECTORS) * 16), cutlass.BFloat16, 16)
                             if (j == QUANT_VECTORS) & ((args.numerics & SCALE_PAD_SKIP) == 0):
                                 kl.store_byte(scales, Int64(NUM_SCALES + 0), 0)  # pad byte

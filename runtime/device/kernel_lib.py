@@ -95,6 +95,20 @@ def register_vector(values, dtype):
     return frag
 
 
+def bf16_vector(values) -> cute.Tensor:
+    """8 float32 -> 8 bf16 by cvt.rn.bf16x2.f32 in PTX: a row loaded as bf16 and stored unchanged is not
+    folded back to its loaded bits, so a NaN is stored as the conversion's NaN whatever its payload."""
+    frag = cute.make_rmem_tensor(VEC, cutlass.BFloat16)
+    words = cute.recast_tensor(frag, Uint32)
+    for i in range(VEC // 2):
+        words[i] = cute.arch.inline_ptx(
+            "cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};",  # the high half first
+            write_only_types=[Uint32],
+            read_only_args=[values[2 * i + 1], values[2 * i]],
+        )
+    return frag
+
+
 def zero_vector(dtype):
     frag = cute.make_rmem_tensor(VEC, dtype)
     frag.fill(0)
