@@ -324,11 +324,12 @@ class Kernel(KernelBase):
             # SPECULATIVE_ROWS rows, none in the shipped plan), or the boundary rows the scan found
             r, valid = ids[u][:2]
             frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
-            # a row past the last reads the last row instead (a KV pass runs only where there is one): no
-            # predicated loads and zero fills; it stores nothing (its slot is -1)
-            src = kl.base_address(args.kv) + cutlass.select_(valid, Int64(r), Int64(args.slot_mapping.shape[0] - 1)) * args.kv.stride[0] * 2
-            for s in range_constexpr(self.slots):
-                kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+            # predicated: the unpredicated loads of the kv-only writers (below) took the qkv op at T = 1 from
+            # 1.08 to 1.24 us on the H200 (bench --shapes modes, 66a3eec) and gained nothing at T >= 2048
+            src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
+            if valid:
+                for s in range_constexpr(self.slots):
+                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             slot, ok, position, tables = early[u]
             if const_expr(not tables_early):
                 tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)
