@@ -194,6 +194,7 @@ def test_float16_codes_run_only_where_the_rows_are_in_the_io_dtype():
     parity choices are folded to rows rounded through the I/O dtype: the format defaults (defaults_only)
     or a folded preset without RotatedRow.FP32. Run-time choices, or FP32 rows, keep the float32 path."""
     import dataclasses
+    import inspect
 
     from attn_prologue.jit import compiler
     from attn_prologue.parity import NumericsFlag
@@ -212,7 +213,9 @@ def test_float16_codes_run_only_where_the_rows_are_in_the_io_dtype():
         "qkv_d128r64_mxfp4_bf16_sm90",
     ):
         kernel = compiler.load_module(variant).Kernel
-        assert {config: kernel(config).e2m1_in_f16 for config in expected} == expected, variant
-    # no float16 path: x * fl(1 / s) (nvfp4_dsv4) is not exact in float16; SM120 converts in hardware
-    for variant in ("kv_d512r64_nvfp4_dsv4_bf16_sm90", "kv_d512r64_nvfp4_v41_bf16_sm120"):
-        assert not hasattr(compiler.load_module(variant).Kernel(lean), "e2m1_in_f16"), variant
+        assert {config: kernel(config).lean_io_rows for config in expected} == expected, variant
+    # no float16 path for x * fl(1 / s) (nvfp4_dsv4: not exact in float16); on SM120 the same flag picks
+    # the *_io function of the native conversions, the hardware cvt of lean_quant's quotients
+    assert not hasattr(compiler.load_module("kv_d512r64_nvfp4_dsv4_bf16_sm90").Kernel(lean), "lean_io_rows")
+    native = inspect.getsource(compiler.load_module("kv_d512r64_nvfp4_v41_bf16_sm120").e2m1_quotient_codes_io)
+    assert "e2m1_pack8(kl.quotients_by_e4m3(x, s)" in native and "f16x2" not in native
