@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass
 
 from attn_prologue.formats import CHOICE_TYPES, NUMERICS_FLAGS, AmaxFloor, ElementCode, ScaleCode
-from attn_prologue.variants import Op, QFlag, QLayout, QOut, Variant
+from attn_prologue.variants import IoDtype, Op, QFlag, QLayout, QOut, Variant
 
 VEC = 8
 WARP = 32
@@ -145,8 +145,10 @@ def make_plan(v: Variant) -> dict:
         "floor_bytes": tuple(ceil_log2_f32(float(v.value)) + 127 for v in AmaxFloor),
         "needs_e2m1": f.element is ElementCode.E2M1,
         # E2M1 codes of rows in the I/O dtype (lean_quant): float16 pairs in software, exact where the value
-        # coded is x * 2^-e or the quotient x / s (mxfp4, nvfp4_v41), not x * fl(1 / s) (nvfp4_dsv4)
-        "e2m1_io_codes": f.element is ElementCode.E2M1 and (f.scale is ScaleCode.UE8M0 or f.divide_by_scale),
+        # coded is x * 2^-e or the quotient x / s (mxfp4, nvfp4_v41), and x * fl(1 / s) (nvfp4_dsv4) for
+        # bf16 rows only (tests/test_lean_quant_cpu.py)
+        "e2m1_io_codes": f.element is ElementCode.E2M1
+        and (f.scale is ScaleCode.UE8M0 or f.divide_by_scale or v.io_dtype is IoDtype.BF16),
         "needs_ue8m0": f.scale in (ScaleCode.UE8M0, ScaleCode.F32_POW2),
         "q_flags": {flag.name: int(flag) for flag in QFlag} if v.op.has_q else {},
         "interleaved": v.q_layout is QLayout.INTERLEAVED,

@@ -120,13 +120,36 @@ def e2m1_pack_codes_in_f16(y: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_quotient_codes_in_f16(x: torch.Tensor, s: torch.Tensor, recip: torch.Tensor) -> torch.Tensor:
-    """e2m1_quotient_codes_in_f16 per value (nvfp4_v41): x float32, s its group's e4m3 scale, `recip`
+    """e2m1_quotient_codes_io per value (nvfp4_v41): x float32, s its group's e4m3 scale, `recip`
     the float16 reciprocal the kernel uses (within one float16 ulp of 1 / s)."""
+    c, q = _f16_quotients(x, s, recip)
+    return e2m1_codes_in_f16(q, c)
+
+
+# nvfp4_dsv4's tie rule in float16 (e2m1_reciprocal_codes_io): 7 * 2^-14 = 0.875 * 2^-11, float16 0x0F00
+F16_TIE_BIAS = 7 * 2.0**-14
+
+
+def e2m1_reciprocal_codes_in_f16(x: torch.Tensor, s: torch.Tensor, recip: torch.Tensor) -> torch.Tensor:
+    """e2m1_reciprocal_codes_io per value (nvfp4_dsv4, s > 0): the quotient's codes, with the corrected
+    quotient q of a group whose scale significand is 1.875 moved to RN(q + q * F16_TIE_BIAS) first. There
+    fl(1/s) > 1/s, and x * fl(1/s) rounds the ties x / s in {1.25, 2.5, 5} up, not to even; the move
+    takes q up one ulp when its significand is >= 1.25 and leaves 0.25 (significand 1), whose tie the
+    reference rounds down. Exact for bf16 rows only: their quotients are ties or several float16 ulps from
+    every decision point, while an fp16 row's can be one ulp below one."""
+    c, q = _f16_quotients(x, s, recip)
+    significand_1875 = (_f16_bits(s.double()) & 0x0380) == 0x0380  # (an e4m3 subnormal never has it)
+    q = torch.where(significand_1875, fma_f16(q, torch.full_like(q, F16_TIE_BIAS), q), q)
+    return e2m1_codes_in_f16(q, c)
+
+
+def _f16_quotients(x: torch.Tensor, s: torch.Tensor, recip: torch.Tensor):
+    """(x in float16 clamped to +-6s, NaN -> +6s; RN(a * recip) and its one correction, a = |clamped|)."""
     limit = 6.0 * s.double()
     c = _f16_min_max(round_f16(x.double()), -limit, limit)
     a = c.abs()
     q = round_f16(a * recip)
-    return e2m1_codes_in_f16(fma_f16(fma_f16(q, -s.double(), a), recip, q), c)
+    return c, fma_f16(fma_f16(q, -s.double(), a), recip, q)
 
 
 def ceil_log2_exponent(r: torch.Tensor) -> torch.Tensor:

@@ -169,14 +169,45 @@ def test_float16_quotient_codes_equal_the_ieee_quotient_codes(dtype):
     x = every_value(dtype)
     for s in e4m3_positive_values():
         want = nx.e2m1_codes(x / s)
-        r = nx.round_f16(1.0 / s.double())
-        for recip in (
-            r,
-            torch.nextafter(r.half(), torch.tensor(0.0).half()).double(),
-            torch.nextafter(r.half(), torch.tensor(1e4).half()).double(),
-        ):
+        for recip in float16_reciprocals(s):
             got = nx.e2m1_quotient_codes_in_f16(x, s.expand_as(x), recip)
             assert torch.equal(got, want), (float(s), float(recip))
+
+
+def float16_reciprocals(s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """RN16(1/s) and both float16 neighbours: the kernel rounds rcp.approx.f32 (within an ulp of 1/s) to float16."""
+    r = nx.round_f16(1.0 / s.double())
+    return (
+        r,
+        torch.nextafter(r.half(), torch.tensor(0.0).half()).double(),
+        torch.nextafter(r.half(), torch.tensor(1e4).half()).double(),
+    )
+
+
+def test_float16_reciprocal_codes_equal_the_reference_for_bf16_rows():
+    """nvfp4_dsv4 (codes of x * fl(1/s), fl(1/s) the float32 reciprocal): every bf16 value (NaN, Inf and
+    zeros of both signs included) over every positive e4m3 scale and the three float16 reciprocals. The
+    scale 0 takes the float32 path in the kernel (its codes are those of x * 0)."""
+    x = every_value(torch.bfloat16)
+    for s in e4m3_positive_values():
+        want = nx.e2m1_codes(x * (1.0 / s))
+        for recip in float16_reciprocals(s):
+            got = nx.e2m1_reciprocal_codes_in_f16(x, s.expand_as(x), recip)
+            assert torch.equal(got, want), (float(s), float(recip))
+
+
+def test_float16_reciprocal_codes_are_not_exact_for_fp16_rows():
+    """Why the fp16 modules of nvfp4_dsv4 keep the float32 path: an fp16 row's quotient can sit one float16
+    ulp below a decision point that rounds up (0.75, 1.75, 3.5), where the tie move crosses it. Counted
+    over every fp16 value and every scale of significand 1.875, with RN16(1/s)."""
+    x = every_value(torch.float16)
+    wrong = 0
+    for s in e4m3_positive_values():
+        if (nx._f16_bits(s.double()) & 0x0380) == 0x0380:
+            recip = float16_reciprocals(s)[0]
+            got = nx.e2m1_reciprocal_codes_in_f16(x, s.expand_as(x), recip)
+            wrong += int((got != nx.e2m1_codes(x * (1.0 / s))).sum())
+    assert wrong > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -211,11 +242,13 @@ def test_float16_codes_run_only_where_the_rows_are_in_the_io_dtype():
         "kv_d512r64_nvfp4_v41_bf16_sm90",
         "kv_d128r64_mxfp4_fp16_sm90",
         "qkv_d128r64_mxfp4_bf16_sm90",
+        "kv_d512r64_nvfp4_dsv4_bf16_sm90",
+        "qkv_d512r64_nvfp4_dsv4_bf16_sm90",
     ):
         kernel = compiler.load_module(variant).Kernel
         assert {config: kernel(config).lean_io_rows for config in expected} == expected, variant
-    # no float16 path for x * fl(1 / s) (nvfp4_dsv4: not exact in float16); on SM120 the same flag picks
-    # the *_io function of the native conversions, the hardware cvt of lean_quant's quotients
-    assert not hasattr(compiler.load_module("kv_d512r64_nvfp4_dsv4_bf16_sm90").Kernel(lean), "lean_io_rows")
+    # x * fl(1 / s) in float16 is exact for bf16 rows only (nvfp4_dsv4, above); on SM120 the same flag
+    # picks the *_io function of the native conversions, the hardware cvt of lean_quant's quotients
+    assert not hasattr(compiler.load_module("kv_d512r64_nvfp4_dsv4_fp16_sm90").Kernel(lean), "lean_io_rows")
     native = inspect.getsource(compiler.load_module("kv_d512r64_nvfp4_v41_bf16_sm120").e2m1_quotient_codes_io)
     assert "e2m1_pack8(kl.quotients_by_e4m3(x, s)" in native and "f16x2" not in native

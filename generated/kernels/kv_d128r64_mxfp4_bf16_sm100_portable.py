@@ -80,7 +80,8 @@ def e2m1_pack8(y, lean: bool, in_range: bool) -> Uint32:
 # The *_io functions: E2M1 codes of rows in the I/O dtype (lean_quant), in float16 pairs: value i in the low half
 # of word i, value i + 4 in the high half, so that the 4 words' codes land in one word by shifts of 4i.
 # Exact where the row holds I/O-dtype values (proven on the CPU for every bf16 and fp16 value and every
-# scale: tests/test_lean_quant_cpu.py; twins numerics.e2m1_pack_codes_in_f16 and e2m1_quotient_codes_in_f16).
+# scale: tests/test_lean_quant_cpu.py; twins numerics.e2m1_pack_codes_in_f16,
+# e2m1_quotient_codes_in_f16 and e2m1_reciprocal_codes_in_f16).
 F16_ONES, F16_512, F16_SIXES = 0x3C003C00, 0x60006000, 0x46004600  # (1.0, 1.0), (512, 512), (6, 6)
 F16_BIAS = 0x241E241E  # a code word's t - p + (p >> 9) minus its code, per half (e2m1_word_of_f16)
 

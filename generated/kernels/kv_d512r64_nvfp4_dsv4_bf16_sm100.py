@@ -60,6 +60,12 @@ def e2m1_pack8(y, lean: bool, in_range: bool) -> Uint32:
         write_only_types=[Uint32],
         read_only_args=[y[i] for i in range(8)],
     )
+
+
+def e2m1_reciprocal_codes_io(x, s: Float32, s_pair: Uint32) -> Uint32:
+    """The portable modules' float16 path for bf16 rows; here the hardware conversion, already one
+    instruction a pair, of x * fl(1/s), and of x * 0 where s is 0 (the portable path takes s > 0 only)."""
+    return e2m1_pack8(x * cutlass.select_(s == Float32(0.0), Float32(0.0), kl.e4m3_reciprocal(s, True)), True, in_range=False)
 # ---- end conversions ---------------------------------------------------------------------------
 
 
@@ -103,6 +109,10 @@ class Kernel(KernelBase):
         self.row_lanes = LANES_PER_ROW * config.row_split  # a KV row's lanes, over row_split warps: vector j -> lane j % row_lanes
         self.slots = SLOTS // config.row_split  # 128-bit vectors per lane per KV row
         self.round_rows = config.passes_per_warp * ROWS_PER_PASS  # KV rows one unit takes at once
+        # lean_quant, and the parity choices folded to rows rounded through the I/O dtype: the E2M1 codes of
+        # the conversions' *_io functions (exact for such rows only)
+        numerics = DEFAULT_NUMERICS if config.defaults_only else config.folded_numerics
+        self.lean_io_rows = config.lean_quant and numerics >= 0 and not numerics & FP32_ROTATED_ROW
 
     @cute.jit
     def __call__(
@@ -334,9 +344,11 @@ class Kernel(KernelBase):
                     amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
                     quot = kl.amax_quotient(amax, ELEMENT_MAX, self.cfg.lean_quant)
                     byte, scale, scale_pair = kl.e4m3_round(quot)
-                    y = xr[s] * cutlass.select_(scale == Float32(0.0), Float32(0.0), kl.e4m3_reciprocal(scale, self.cfg.lean_quant))
-
-                    packed = e2m1_pack8(y, self.cfg.lean_quant, in_range=False)
+                    if const_expr(self.lean_io_rows):
+                        packed = e2m1_reciprocal_codes_io(xr[s], scale, scale_pair)
+                    else:
+                        y = xr[s] * cutlass.select_(scale == Float32(0.0), Float32(0.0), kl.e4m3_reciprocal(scale, self.cfg.lean_quant))
+                        packed = e2m1_pack8(y, self.cfg.lean_quant, in_range=False)
                     if (args.numerics & FP4_POSITIVE_ZERO) != 0:
                         packed = kl.e2m1_positive_zeros(packed)
                     if ok:

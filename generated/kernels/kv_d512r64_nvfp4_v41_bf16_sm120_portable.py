@@ -74,7 +74,8 @@ def e2m1_pack8(y, lean: bool, in_range: bool) -> Uint32:
 # The *_io functions: E2M1 codes of rows in the I/O dtype (lean_quant), in float16 pairs: value i in the low half
 # of word i, value i + 4 in the high half, so that the 4 words' codes land in one word by shifts of 4i.
 # Exact where the row holds I/O-dtype values (proven on the CPU for every bf16 and fp16 value and every
-# scale: tests/test_lean_quant_cpu.py; twins numerics.e2m1_pack_codes_in_f16 and e2m1_quotient_codes_in_f16).
+# scale: tests/test_lean_quant_cpu.py; twins numerics.e2m1_pack_codes_in_f16,
+# e2m1_quotient_codes_in_f16 and e2m1_reciprocal_codes_in_f16).
 F16_ONES, F16_512, F16_SIXES = 0x3C003C00, 0x60006000, 0x46004600  # (1.0, 1.0), (512, 512), (6, 6)
 F16_BIAS = 0x241E241E  # a code word's t - p + (p >> 9) minus its code, per half (e2m1_word_of_f16)
 
@@ -120,13 +121,13 @@ def e2m1_word_of_f16(mags, signs) -> Uint32:
     return word - Uint32(sum(F16_BIAS << (4 * i) for i in range(4)) % 2**32)
 
 
-def e2m1_quotient_codes_io(x, s: Float32, s_pair: Uint32) -> Uint32:
-    """One word of the e2m1 codes of RN(x_i / s) for 8 I/O-dtype values x and a positive e4m3 scale s
-    (nvfp4_v41; `s_pair` is (s, s) in float16, e4m3_round's third value): x clamped to +-6s (NaN -> +6s),
-    then per magnitude a, q = RN(a * r) and one exact correction q + RN(a - q * s) * r, all in float16
-    pairs, with r the float16 rounding of rcp.approx(s) (within one float16 ulp of RN(1/s): every such r
-    is proven). An exact quotient lands on a decision point of the e2m1 grid only if x / s is one (x has
-    11 bits at most, s 4), so its float16 rounding keeps every code."""
+def f16_quotients(x, s: Float32, s_pair: Uint32):
+    """(x clamped to +-6s in float16 pairs, NaN -> +6s; the magnitudes' quotients by s) for 8 I/O-dtype
+    values x and a positive e4m3 scale s (`s_pair`: (s, s) in float16, e4m3_round's third value): per
+    magnitude a, q = RN(a * r) and one exact correction q + RN(a - q * s) * r, with r the float16 rounding
+    of rcp.approx(s) (within one float16 ulp of RN(1/s): every such r is proven). An exact quotient lands
+    on a decision point of the e2m1 grid only if x / s is one (x has 11 bits at most, s 4), so its float16
+    rounding keeps every code."""
     r = cute.arch.inline_ptx("rcp.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[s])
     recip = f16_pair(r, r)
     limit = f16x2("mul.rn.f16x2", s_pair, F16_SIXES)  # exact: 6 times an e4m3 value
@@ -139,6 +140,12 @@ def e2m1_quotient_codes_io(x, s: Float32, s_pair: Uint32) -> Uint32:
         a = c & Uint32(0x7FFF7FFF)
         q = f16x2("mul.rn.f16x2", a, recip)
         mags.append(f16x2("fma.rn.f16x2", f16x2("fma.rn.f16x2", q, s_pair ^ Uint32(0x80008000), a), recip, q))
+    return clamped, mags
+
+
+def e2m1_quotient_codes_io(x, s: Float32, s_pair: Uint32) -> Uint32:
+    """One word of the e2m1 codes of RN(x_i / s) (nvfp4_v41), from f16_quotients."""
+    clamped, mags = f16_quotients(x, s, s_pair)
     return e2m1_word_of_f16(mags, clamped)
 # ---- end conversions ---------------------------------------------------------------------------
 

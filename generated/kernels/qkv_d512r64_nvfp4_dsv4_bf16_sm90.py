@@ -79,6 +79,92 @@ def e2m1_pack8(y, lean: bool, in_range: bool) -> Uint32:
     for i in range(8):
         word = word | (e2m1_code(y[i]) << Uint32(4 * i))
     return word
+
+
+# The *_io functions: E2M1 codes of rows in the I/O dtype (lean_quant), in float16 pairs: value i in the low half
+# of word i, value i + 4 in the high half, so that the 4 words' codes land in one word by shifts of 4i.
+# Exact where the row holds I/O-dtype values (proven on the CPU for every bf16 and fp16 value and every
+# scale: tests/test_lean_quant_cpu.py; twins numerics.e2m1_pack_codes_in_f16,
+# e2m1_quotient_codes_in_f16 and e2m1_reciprocal_codes_in_f16).
+F16_ONES, F16_512, F16_SIXES = 0x3C003C00, 0x60006000, 0x46004600  # (1.0, 1.0), (512, 512), (6, 6)
+F16_BIAS = 0x241E241E  # a code word's t - p + (p >> 9) minus its code, per half (e2m1_word_of_f16)
+
+
+def f16x2(op: str, *words) -> Uint32:
+    """One packed-half PTX instruction `op` on 32-bit words (e.g. "min.f16x2"); a Python int is a
+    constant word, moved into a register inside the asm (packed-half operands take no immediates)."""
+    names, regs, movs = [], [], []
+    for w in words:
+        if isinstance(w, int):
+            names.append(f"k{len(movs)}")
+            movs.append(f" mov.b32 k{len(movs)}, {w:#010x};")
+        else:
+            names.append("{$r" + str(len(regs)) + "}")
+            regs.append(w)
+    decl = " .reg .b32 " + ", ".join(f"k{i}" for i in range(len(movs))) + ";" if movs else ""
+    return cute.arch.inline_ptx(
+        "{" + decl + "".join(movs) + " " + op + " {$w0}, " + ", ".join(names) + "; }",
+        write_only_types=[Uint32],
+        read_only_args=regs,
+    )
+
+
+def f16_pair(lo: Float32, hi: Float32) -> Uint32:
+    """(RN(lo), RN(hi)) as one float16x2 word (cvt.rn.f16x2.f32 takes the high half first)."""
+    return cute.arch.inline_ptx(
+        "cvt.rn.f16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32], read_only_args=[hi, lo]
+    )
+
+
+def e2m1_word_of_f16(mags, signs) -> Uint32:
+    """One word of 8 e2m1 codes from 4 float16x2 words of magnitudes in [0, 6] (`mags`) and 4 words whose
+    bits 15 and 31 are the signs (`signs`). Per half, with 2^k = max(2^floor(log2 a), 1): t = a + 512 * 2^k
+    rounds a at the e2m1 spacing 2^(k-1) (one rounding, nearest even), and code = steps + 2k =
+    bits(t) - p + (p >> 9) - 0x241E where p = bits(2^k): the 32-bit arithmetic keeps the halves apart
+    (each half's result is in [0, 2^16); p has no bits below 10). The bias is taken off once."""
+    word = Uint32(0)
+    for i in range(4):
+        p = f16x2("max.f16x2", mags[i], F16_ONES) & Uint32(0x7C007C00)
+        t = f16x2("fma.rn.f16x2", p, F16_512, mags[i])
+        word = word + ((t + (p >> Uint32(9)) - p) << Uint32(4 * i))
+        word = word + ((signs[i] & Uint32(0x80008000)) >> Uint32(12 - 4 * i))
+    return word - Uint32(sum(F16_BIAS << (4 * i) for i in range(4)) % 2**32)
+
+
+def f16_quotients(x, s: Float32, s_pair: Uint32):
+    """(x clamped to +-6s in float16 pairs, NaN -> +6s; the magnitudes' quotients by s) for 8 I/O-dtype
+    values x and a positive e4m3 scale s (`s_pair`: (s, s) in float16, e4m3_round's third value): per
+    magnitude a, q = RN(a * r) and one exact correction q + RN(a - q * s) * r, with r the float16 rounding
+    of rcp.approx(s) (within one float16 ulp of RN(1/s): every such r is proven). An exact quotient lands
+    on a decision point of the e2m1 grid only if x / s is one (x has 11 bits at most, s 4), so its float16
+    rounding keeps every code."""
+    r = cute.arch.inline_ptx("rcp.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[s])
+    recip = f16_pair(r, r)
+    limit = f16x2("mul.rn.f16x2", s_pair, F16_SIXES)  # exact: 6 times an e4m3 value
+    clamped = [
+        f16x2("max.f16x2", f16x2("min.f16x2", f16_pair(x[i], x[i + 4]), limit), limit | Uint32(0x80008000))
+        for i in range(4)
+    ]
+    mags = []
+    for c in clamped:
+        a = c & Uint32(0x7FFF7FFF)
+        q = f16x2("mul.rn.f16x2", a, recip)
+        mags.append(f16x2("fma.rn.f16x2", f16x2("fma.rn.f16x2", q, s_pair ^ Uint32(0x80008000), a), recip, q))
+    return clamped, mags
+
+
+F16_TIE_BIAS = 0x0F000F00  # 7 * 2^-14 in each half (numerics.F16_TIE_BIAS)
+
+
+def e2m1_reciprocal_codes_io(x, s: Float32, s_pair: Uint32) -> Uint32:
+    """One word of the e2m1 codes of RN(x_i * fl(1/s)) for bf16 rows and s > 0 (nvfp4_dsv4; the kernel
+    takes s = 0 to the float32 path): the quotient's codes of f16_quotients, where the scale's significand is 1.875
+    after q -> RN(q + q * 7 * 2^-14). There fl(1/s) > 1/s rounds the ties x / s in {1.25, 2.5, 5} up; the
+    move takes such a q up one ulp and leaves 0.25's tie (proven for every bf16 value and scale; an fp16
+    row's quotient can be one ulp below a decision point, so fp16 modules keep the float32 path)."""
+    clamped, mags = f16_quotients(x, s, s_pair)
+    bias = cutlass.select_((s_pair & Uint32(0x03800380)) == Uint32(0x03800380), Uint32(F16_TIE_BIAS), Uint32(0))
+    return e2m1_word_of_f16([f16x2("fma.rn.f16x2", m, bias, m) for m in mags], clamped)
 # ---- end conversions ---------------------------------------------------------------------------
 
 
@@ -131,6 +217,10 @@ class Kernel(KernelBase):
         self.row_lanes = LANES_PER_ROW * config.row_split  # a KV row's lanes, over row_split warps: vector j -> lane j % row_lanes
         self.slots = SLOTS // config.row_split  # 128-bit vectors per lane per KV row
         self.round_rows = config.passes_per_warp * ROWS_PER_PASS  # KV rows one unit takes at once
+        # lean_quant, and the parity choices folded to rows rounded through the I/O dtype: the E2M1 codes of
+        # the conversions' *_io functions (exact for such rows only)
+        numerics = DEFAULT_NUMERICS if config.defaults_only else config.folded_numerics
+        self.lean_io_rows = config.lean_quant and numerics >= 0 and not numerics & FP32_ROTATED_ROW
 
     @cute.jit
     def __call__(
@@ -374,9 +464,13 @@ class Kernel(KernelBase):
                     amax = kl.butterfly_max(kl.abs_max(xr[s]), LANES_PER_BLOCK)
                     quot = kl.amax_quotient(amax, ELEMENT_MAX, self.cfg.lean_quant)
                     byte, scale, scale_pair = kl.e4m3_round(quot)
-                    y = xr[s] * cutlass.select_(scale == Float32(0.0), Float32(0.0), kl.e4m3_reciprocal(scale, self.cfg.lean_quant))
-
-                    packed = e2m1_pack8(y, self.cfg.lean_quant, in_range=False)
+                    if const_expr(self.lean_io_rows):
+                        packed = e2m1_reciprocal_codes_io(xr[s], scale, scale_pair)
+                        if scale == Float32(0.0):  # (rare input) scale byte 0x00: every code is that of x * 0 (NaN -> +6)
+                            packed = e2m1_pack8(xr[s] * Float32(0.0), True, in_range=False)
+                    else:
+                        y = xr[s] * cutlass.select_(scale == Float32(0.0), Float32(0.0), kl.e4m3_reciprocal(scale, self.cfg.lean_quant))
+                        packed = e2m1_pack8(y, self.cfg.lean_quant, in_range=False)
                     if (args.numerics & FP4_POSITIVE_ZERO) != 0:
                         packed = kl.e2m1_positive_zeros(packed)
                     if ok:

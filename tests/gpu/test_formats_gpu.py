@@ -55,16 +55,17 @@ MATRIX_LAST = {(f, o, q): numerics_cases(f, singles=False)[-1] for f, o, q, _ in
 
 
 def tie_groups(x: torch.Tensor, fmt_name: str) -> None:
-    """Write exact E2M1 ties into the first NoPE groups of every third row: group values t * s for
-    every tie t of the E2M1 grid and a 6 * s that makes s = amax / 6 a power of two (so the NVFP4 scale
-    is exact and x / s hits the tie exactly; the same groups give exact ties under a UE8M0 scale)."""
+    """Write exact E2M1 ties into the first NoPE groups of every fifth row: group values t * s for
+    every tie t of the E2M1 grid and a 6 * s that makes s = amax / 6 exact, so the NVFP4 scale is s and
+    x / s hits the tie exactly: s a power of two (the same groups give exact ties under a UE8M0 scale),
+    or 1.875 times one (the e4m3 significand where nvfp4_dsv4's x * fl(1/s) rounds 1.25, 2.5 and 5 up)."""
     fmt = get_format(fmt_name)
     if fmt.element.value != "e2m1":
         return
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], device=x.device)
     group = torch.cat((ties, -ties)).repeat(fmt.quant_block // 16)  # one block: 8 ties and their negatives
-    for i, s in enumerate((2.0**-3, 1.0, 2.0**4)):
-        rows = x[i::3]
+    for i, s in enumerate((2.0**-3, 1.0, 2.0**4, 1.875, 1.875 * 2.0**-6)):
+        rows = x[i::5]
         width = min(4 * fmt.quant_block, fmt.dims(x.shape[1])[0])
         rows[:, :width] = (group * s).repeat(width // fmt.quant_block).to(x.dtype)
 
