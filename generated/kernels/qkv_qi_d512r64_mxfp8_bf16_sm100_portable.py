@@ -156,10 +156,12 @@ class Kernel(KernelBase):
 
     @cute.kernel
     def kernel(self, args: Arguments, schedule: Schedule):
-        self.run_units(args, schedule, False)
+        # more than one Q row a warp: each warp stages its rows in shared memory (store_rows_interleaved)
+        stage = self.stage_for_this_warp(ROW_VECTORS * 16) if const_expr(self.cfg.passes_per_warp > 1) else None
+        self.run_units(args, schedule, False, stage)
 
     @cute.jit
-    def run_units(self, args: Arguments, schedule: Schedule, scan: cutlass.Constexpr):
+    def run_units(self, args: Arguments, schedule: Schedule, scan: cutlass.Constexpr, stage):
         if const_expr(self.cfg.defaults_only):  # a constant: the parity choices' branches fold away
             args = args._replace(numerics=Int32(DEFAULT_NUMERICS))
         elif const_expr(self.cfg.folded_numerics >= 0):  # another constant (an engine preset's bits)
@@ -175,23 +177,23 @@ class Kernel(KernelBase):
         if const_expr(self.cfg.persistent):
             stride = cute.arch.grid_dim()[0] * self.cfg.warps_per_cta
             for w in cutlass.range(unit, schedule.units, stride):
-                self.one_pass(self.first_pass(w, schedule), lane, args, schedule, scan)
+                self.one_pass(self.first_pass(w, schedule), lane, args, schedule, scan, stage)
         else:
-            self.one_pass(self.first_pass(unit, schedule), lane, args, schedule, scan)
+            self.one_pass(self.first_pass(unit, schedule), lane, args, schedule, scan, stage)
 
     @cute.jit
-    def one_pass(self, p: Int32, lane: Int32, args: Arguments, schedule: Schedule, scan: cutlass.Constexpr):
+    def one_pass(self, p: Int32, lane: Int32, args: Arguments, schedule: Schedule, scan: cutlass.Constexpr, stage):
         """The passes p .. p + passes_per_warp - 1 of one warp: KV rows first (their warps are the
         slower ones: start them early, so the grid's tail is uniform Q work), then Q rows, then pads."""
         if p < schedule.kv_passes:
             self.kv_pass(p, lane, args)
         elif p < schedule.q_end:
-            self.q_pass(p - schedule.kv_passes, lane, args, schedule.q_heads)
+            self.q_pass(p - schedule.kv_passes, lane, args, schedule.q_heads, stage)
         elif p < schedule.passes:
             self.pad_pass(p - schedule.q_end, lane, args, schedule)
 
     @cute.jit
-    def q_pass(self, p: Int32, lane: Int32, args: Arguments, q_heads: Int32):
+    def q_pass(self, p: Int32, lane: Int32, args: Arguments, q_heads: Int32, stage):
         """Rows are the (token, head) pairs of q_in (q_heads = H), head-minor. A row whose position is out of
         range in checked mode is written as zeros. Every row's position load is issued first and its cos/sin
         loads next, both before the PDL wait; after the wait its q_in loads (with cos_sin_late, each followed
@@ -233,6 +235,7 @@ class Kernel(KernelBase):
             if const_expr(self.cfg.cos_sin_late):
                 tables = self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub, Q_SLOTS, Q_LANES_PER_ROW)
             loaded.append((t, h, valid, live, frags, tables))
+        rows = []  # per row, its q_out vectors (stored below: through `stage` when it is a shared-memory address)
         for u in range_constexpr(self.cfg.passes_per_warp):
             t, h, valid, live, frags, tables = loaded[u]
             xs = [f.load().to(Float32) for f in frags]
@@ -245,17 +248,37 @@ class Kernel(KernelBase):
                 for s in range_constexpr(Q_SLOTS):
                     ys[s].store(xs[s] * rinv)
             self.rotate_tail(ys, tables, live & ((args.q_flags & NO_ROPE) == 0), sub, Q_SLOTS, Q_LANES_PER_ROW)
-            # chunk-interleaved: dim d of head h at (d // 16) * P * 16 + h * 16 + d % 16 of its token (P = q_out's heads)
-            dst = kl.base_address(args.q_out) + (Int64(t) * args.q_out.stride[0] + Int64(h) * 16) * 2
-            chunk_stride = Int64(args.q_out.shape[1]) * 16  # elements from one 16-dim chunk to the next
-            if valid:
-                for s in range_constexpr(Q_SLOTS):
-                    j = s * Q_LANES_PER_ROW + sub  # this lane's vector: dims [8j, 8j + 8), chunk j // 2
-                    offset = (Int64(j // 2) * chunk_stride + Int64((j % 2) * VEC)) * 2
-                    out = kl.register_vector(ys[s].load(), IO_DTYPE)
-                    if not live:
-                        out.fill(0)
-                    kl.store_vector(out, dst, offset, IO_DTYPE, 16, self.cfg.streaming)
+            outs = []
+            for s in range_constexpr(Q_SLOTS):
+                out = kl.register_vector(ys[s].load(), IO_DTYPE)
+                if not live:
+                    out.fill(0)
+                outs.append(out)
+            rows.append(outs)
+        if const_expr(stage is None):
+            for u in range_constexpr(self.cfg.passes_per_warp):
+                self.store_q_row(rows[u], *loaded[u][:3], sub, args)
+        else:
+            if q_heads % self.cfg.passes_per_warp == 0:  # the warp's rows are adjacent heads h0 .. of one token
+                t, h, valid = loaded[0][:3]
+                if valid:
+                    dst = kl.base_address(args.q_out) + (Int64(t) * args.q_out.stride[0] + Int64(h) * 16) * 2
+                    self.store_rows_interleaved(stage, lane, rows, dst, Int64(args.q_out.shape[1]) * (16 * 2), self.cfg.streaming)
+            else:
+                for u in range_constexpr(self.cfg.passes_per_warp):
+                    self.store_q_row(rows[u], *loaded[u][:3], sub, args)
+
+    @cute.jit
+    def store_q_row(self, outs, t: Int32, h: Int32, valid, sub: Int32, args: Arguments):
+        """One Q row's vectors in the chunk-interleaved layout: dim d of head h at (d // 16) * P * 16 + h * 16 +
+        d % 16 of its token (P = q_out's heads); each of a warp's stores writes 16 pieces P x 32 bytes apart."""
+        dst = kl.base_address(args.q_out) + (Int64(t) * args.q_out.stride[0] + Int64(h) * 16) * 2
+        chunk_stride = Int64(args.q_out.shape[1]) * 16  # elements from one 16-dim chunk to the next
+        if valid:
+            for s in range_constexpr(Q_SLOTS):
+                j = s * Q_LANES_PER_ROW + sub  # this lane's vector: dims [8j, 8j + 8), chunk j // 2
+                offset = (Int64(j // 2) * chunk_stride + Int64((j % 2) * VEC)) * 2
+                kl.store_vector(outs[s], dst, offset, IO_DTYPE, 16, self.cfg.streaming)
 
     @cute.jit
     def pad_pass(self, p: Int32, lane: Int32, args: Arguments, schedule: Schedule):

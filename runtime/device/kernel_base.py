@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, const_expr, range_constexpr
+from cutlass import Int32, Int64, Uint32, const_expr, range_constexpr
+from cutlass.memory import SmemAllocator
 
 from . import kernel_lib as kl
 
@@ -29,7 +30,8 @@ class KernelBase:
             stream=stream,
             use_pdl=self.cfg.pdl,
             min_blocks_per_mp=self.cfg.min_ctas_per_sm,
-            # no shared memory: all of it as L1 (given with a register cap, the DSL would ask a GPU for the SM's size)
+            # all of the SM's memory as L1 (a hint: a kernel that stages rows in shared memory still gets its
+            # bytes); given with a register cap, the DSL would ask a GPU for the SM's size
             preferred_smem_carveout=0 if const_expr(self.cfg.min_ctas_per_sm) else None,
         )
 
@@ -110,3 +112,77 @@ class KernelBase:
         cute.arch.atomic_add(
             kl.gmem_ptr(kl.base_address(args.errors), Int64(4 * counter), Int32, 4), Int32(1)
         )
+
+    # ---- the chunk-interleaved Q layout through shared memory (q_rows.jinja, passes_per_warp > 1) ----
+    @staticmethod
+    def stage_row_bytes(row_bytes: int, rows: int) -> int:
+        """Bytes from one staged row to the next: the row and 128 / rows bytes, so that neither the row-wise
+        writes nor the chunk-wise reads of store_rows_interleaved meet a bank twice in one access phase."""
+        return row_bytes + 128 // rows
+
+    @cute.jit
+    def stage_for_this_warp(self, row_bytes: int):
+        """This warp's part of the CTA's staging buffer (a shared-memory address): passes_per_warp rows."""
+        rows = self.cfg.passes_per_warp
+        part = rows * self.stage_row_bytes(row_bytes, rows)
+        buffer = SmemAllocator().allocate_array(
+            cutlass.Uint8, part * self.cfg.warps_per_cta, byte_alignment=16
+        )
+        tidx, _, _ = cute.arch.thread_idx()
+        return buffer.toint() + tidx // 32 * part
+
+    @cute.jit
+    def store_rows_interleaved(
+        self, stage: Int32, lane: Int32, rows, dst: Int64, chunk_stride: Int64, streaming
+    ):
+        """Store u = len(rows) rows of adjacent heads h0 .. h0 + u - 1 (h0 % u == 0) of one token in the
+        chunk-interleaved layout, every store instruction writing u heads' pieces of a chunk as one run
+        (u x 32 bytes for bf16). rows[k][s] is head h0 + k's vector j = 32 s + lane (16 or 8 bytes); `dst`
+        is head h0's chunk 0; `chunk_stride` the bytes from a chunk to the next. Each row goes to this
+        warp's `stage` as it is, and comes back chunk-wise: lane L stores half L % 2 of its chunk's piece
+        of head h0 + L // 2 % u."""
+        u = len(rows)
+        vector_bytes = cute.size(rows[0][0]) * rows[0][0].element_type.width // 8
+        words = vector_bytes // 4
+        row_stride = self.stage_row_bytes(len(rows[0]) * 32 * vector_bytes, u)
+        for k in range_constexpr(u):
+            for s in range_constexpr(len(rows[0])):
+                _stage_store(
+                    stage + k * row_stride + (s * 32 + lane) * vector_bytes,
+                    cute.recast_tensor(rows[k][s], Uint32),
+                    words,
+                )
+        cute.arch.sync_warp()
+        half = lane % 2
+        k = lane // 2 % u
+        for i in range_constexpr(u * len(rows[0])):
+            c = i * (16 // u) + lane // (2 * u)  # 16 / u chunks per instruction
+            piece = _stage_load(stage + k * row_stride + (2 * c + half) * vector_bytes, words)
+            offset = Int64(c) * chunk_stride + Int64((2 * k + half) * vector_bytes)
+            kl.store_vector(piece, dst, offset, Uint32, vector_bytes, streaming)
+        cute.arch.sync_warp()  # (the warp's next rows overwrite the stage)
+
+
+def _stage_view(address: Int32, n: int) -> cute.Tensor:
+    """n (2 or 4) 32-bit words of shared memory at a 16-byte (n = 4) or 8-byte aligned address."""
+    return cute.make_tensor(
+        cute.make_ptr(Uint32, address, cute.AddressSpace.smem, assumed_align=4 * n), cute.make_layout(n)
+    )
+
+
+def _stage_store(address: Int32, words: cute.Tensor, n: int):
+    cute.copy(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=32 * n),
+        words,
+        _stage_view(address, n),
+    )
+
+
+def _stage_load(address: Int32, n: int) -> cute.Tensor:
+    frag = cute.make_rmem_tensor(n, Uint32)
+    cute.copy(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Uint32, num_bits_per_copy=32 * n),
+        _stage_view(address, n),
+        frag,
+    )
+    return frag

@@ -65,12 +65,17 @@ def test_interleaved_q_layout(fmt, q8, hp):
         check(Case(n=97, h=h, p=p, m=50, negative_every=4, block_size=256, seed=4, **base))
 
 
-@pytest.mark.parametrize("key", ["w4_u2_pdl1_nc1_cs", "w8_u1_pdl0_nc0_c4", "w2_u4_pdl1_nc1_spread"])
-def test_interleaved_q_rows_under_other_launch_configs(key):
-    """Chunk-interleaved Q rows across CTA sizes, passes per warp, persistent grids and KV spread."""
+@pytest.mark.parametrize(
+    "key", ["w4_u2_pdl1_nc1_cs", "w8_u1_pdl0_nc0_c4", "w2_u4_pdl1_nc1_spread", "w4_u4_pdl1_nc1_c4_cs"]
+)
+@pytest.mark.parametrize("q8", [False, True])
+def test_interleaved_q_rows_under_other_launch_configs(key, q8):
+    """Chunk-interleaved Q rows across CTA sizes, passes per warp, persistent grids and KV spread. With
+    2 or 4 passes a warp, rows go through shared memory when H is a multiple of them (8, 64: u adjacent
+    heads of one token) and straight to q_out when not (6 with 4 passes)."""
     for n, h, p in ((1, 8, 64), (513, 6, 64), (200, 64, 128)):
         check(
-            Case(n=n, h=h, p=p, m=n - n // 3, negative_every=5, q_layout="interleaved", seed=n + h),
+            Case(n=n, h=h, p=p, m=n - n // 3, negative_every=5, q_layout="interleaved", q_fp8=q8, seed=n + h),
             config=LaunchConfig.from_key(key),
         )
 
