@@ -131,12 +131,17 @@ F16_TIE_BIAS = 7 * 2.0**-14
 
 
 def e2m1_reciprocal_codes_in_f16(x: torch.Tensor, s: torch.Tensor, recip: torch.Tensor) -> torch.Tensor:
-    """e2m1_reciprocal_codes_io per value (nvfp4_dsv4, s > 0): the quotient's codes, with the corrected
-    quotient q of a group whose scale significand is 1.875 moved to RN(q + q * F16_TIE_BIAS) first. There
+    """e2m1_reciprocal_codes_io per value (nvfp4_dsv4): the quotient's codes, with the corrected quotient q
+    of a group whose scale significand is 1.875 moved to RN(q + q * F16_TIE_BIAS) first. There
     fl(1/s) > 1/s, and x * fl(1/s) rounds the ties x / s in {1.25, 2.5, 5} up, not to even; the move
     takes q up one ulp when its significand is >= 1.25 and leaves 0.25 (significand 1), whose tie the
     reference rounds down. Exact for bf16 rows only: their quotients are ties or several float16 ulps from
-    every decision point, while an fp16 row's can be one ulp below one."""
+    every decision point, while an fp16 row's can be one ulp below one. s = 0 (the codes of x * 0) is
+    computed with the scale 1 and its reciprocal 1: a group whose amax / 6 rounds to 0 holds NaN or values
+    of at most 6 * 2^-10, which code as +6 and signed zeros either way."""
+    zero = s == 0
+    one = torch.ones_like(s)
+    s, recip = torch.where(zero, one, s), torch.where(zero, one.double(), recip)
     c, q = _f16_quotients(x, s, recip)
     significand_1875 = (_f16_bits(s.double()) & 0x0380) == 0x0380  # (an e4m3 subnormal never has it)
     q = torch.where(significand_1875, fma_f16(q, torch.full_like(q, F16_TIE_BIAS), q), q)

@@ -186,14 +186,18 @@ def float16_reciprocals(s: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def test_float16_reciprocal_codes_equal_the_reference_for_bf16_rows():
     """nvfp4_dsv4 (codes of x * fl(1/s), fl(1/s) the float32 reciprocal): every bf16 value (NaN, Inf and
-    zeros of both signs included) over every positive e4m3 scale and the three float16 reciprocals. The
-    scale 0 takes the float32 path in the kernel (its codes are those of x * 0)."""
+    zeros of both signs included) over every positive e4m3 scale and the three float16 reciprocals; and
+    the scale 0, whose codes are those of x * 0, over every value its group can hold (amax / 6 rounds to 0:
+    |x| <= 6 * 2^-10, or NaN, which amax ignores)."""
     x = every_value(torch.bfloat16)
     for s in e4m3_positive_values():
         want = nx.e2m1_codes(x * (1.0 / s))
         for recip in float16_reciprocals(s):
             got = nx.e2m1_reciprocal_codes_in_f16(x, s.expand_as(x), recip)
             assert torch.equal(got, want), (float(s), float(recip))
+    small = x[(x.abs() <= 6 * 2.0**-10) | x.isnan()]
+    zero = torch.zeros_like(small)
+    assert torch.equal(nx.e2m1_reciprocal_codes_in_f16(small, zero, zero.double()), nx.e2m1_codes(small * 0.0))
 
 
 def test_float16_reciprocal_codes_are_not_exact_for_fp16_rows():

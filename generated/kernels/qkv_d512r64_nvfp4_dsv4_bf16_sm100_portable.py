@@ -157,12 +157,15 @@ F16_TIE_BIAS = 0x0F000F00  # 7 * 2^-14 in each half (numerics.F16_TIE_BIAS)
 
 
 def e2m1_reciprocal_codes_io(x, s: Float32, s_pair: Uint32) -> Uint32:
-    """One word of the e2m1 codes of RN(x_i * fl(1/s)) for bf16 rows and s > 0 (nvfp4_dsv4; the kernel
-    takes s = 0 to the float32 path): the quotient's codes of f16_quotients, where the scale's significand is 1.875
-    after q -> RN(q + q * 7 * 2^-14). There fl(1/s) > 1/s rounds the ties x / s in {1.25, 2.5, 5} up; the
-    move takes such a q up one ulp and leaves 0.25's tie (proven for every bf16 value and scale; an fp16
-    row's quotient can be one ulp below a decision point, so fp16 modules keep the float32 path)."""
-    clamped, mags = f16_quotients(x, s, s_pair)
+    """One word of the e2m1 codes of RN(x_i * fl(1/s)) for bf16 rows (nvfp4_dsv4): the quotient's codes of
+    f16_quotients, where the scale's significand is 1.875 after q -> RN(q + q * 7 * 2^-14). There
+    fl(1/s) > 1/s rounds the ties x / s in {1.25, 2.5, 5} up; the move takes such a q up one ulp and leaves
+    0.25's tie (proven for every bf16 value and scale; an fp16 row's quotient can be one ulp below a
+    decision point, so fp16 modules keep the float32 path). s = 0 (scale byte 0x00: the codes of x * 0)
+    takes the scale 1: its group holds NaN or values of at most 6 * 2^-10, +6 and signed zeros either way."""
+    zero = s == Float32(0.0)
+    s_pair = cutlass.select_(zero, Uint32(F16_ONES), s_pair)
+    clamped, mags = f16_quotients(x, cutlass.select_(zero, Float32(1.0), s), s_pair)
     bias = cutlass.select_((s_pair & Uint32(0x03800380)) == Uint32(0x03800380), Uint32(F16_TIE_BIAS), Uint32(0))
     return e2m1_word_of_f16([f16x2("fma.rn.f16x2", m, bias, m) for m in mags], clamped)
 # ---- end conversions ---------------------------------------------------------------------------
@@ -465,9 +468,7 @@ class Kernel(KernelBase):
                     quot = kl.amax_quotient(amax, ELEMENT_MAX, self.cfg.lean_quant)
                     byte, scale, scale_pair = kl.e4m3_round(quot)
                     if const_expr(self.lean_io_rows):
-                        packed = e2m1_reciprocal_codes_io(xr[s], scale, scale_pair)
-                        if scale == Float32(0.0):  # (rare input) scale byte 0x00: every code is that of x * 0 (NaN -> +6)
-                            packed = e2m1_pack8(xr[s] * Float32(0.0), True, in_range=False)
+                        packed = e2m1_reciprocal_codes_io(xr[s], scale, scale_pair)  # (0 where the scale is 0)
                     else:
                         y = xr[s] * cutlass.select_(scale == Float32(0.0), Float32(0.0), kl.e4m3_reciprocal(scale, self.cfg.lean_quant))
                         packed = e2m1_pack8(y, self.cfg.lean_quant, in_range=False)

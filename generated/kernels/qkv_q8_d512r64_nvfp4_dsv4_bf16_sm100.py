@@ -72,7 +72,7 @@ def e2m1_pack8(y, lean: bool, in_range: bool) -> Uint32:
 
 def e2m1_reciprocal_codes_io(x, s: Float32, s_pair: Uint32) -> Uint32:
     """The portable modules' float16 path for bf16 rows; here the hardware conversion, already one
-    instruction a pair, of x * fl(1/s), and of x * 0 where s is 0 (the portable path takes s > 0 only)."""
+    instruction a pair, of x * fl(1/s) (x * 0 where s is 0)."""
     return e2m1_pack8(x * cutlass.select_(s == Float32(0.0), Float32(0.0), kl.e4m3_reciprocal(s, True)), True, in_range=False)
 # ---- end conversions ---------------------------------------------------------------------------
 
@@ -376,7 +376,7 @@ class Kernel(KernelBase):
                     quot = kl.amax_quotient(amax, ELEMENT_MAX, self.cfg.lean_quant)
                     byte, scale, scale_pair = kl.e4m3_round(quot)
                     if const_expr(self.lean_io_rows):
-                        packed = e2m1_reciprocal_codes_io(xr[s], scale, scale_pair)
+                        packed = e2m1_reciprocal_codes_io(xr[s], scale, scale_pair)  # (0 where the scale is 0)
                     else:
                         y = xr[s] * cutlass.select_(scale == Float32(0.0), Float32(0.0), kl.e4m3_reciprocal(scale, self.cfg.lean_quant))
                         packed = e2m1_pack8(y, self.cfg.lean_quant, in_range=False)
