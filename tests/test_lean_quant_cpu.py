@@ -197,7 +197,9 @@ def test_float16_reciprocal_codes_equal_the_reference_for_bf16_rows():
             assert torch.equal(got, want), (float(s), float(recip))
     small = x[(x.abs() <= 6 * 2.0**-10) | x.isnan()]
     zero = torch.zeros_like(small)
-    assert torch.equal(nx.e2m1_reciprocal_codes_in_f16(small, zero, zero.double()), nx.e2m1_codes(small * 0.0))
+    assert torch.equal(
+        nx.e2m1_reciprocal_codes_in_f16(small, zero, zero.double()), nx.e2m1_codes(small * 0.0)
+    )
 
 
 def test_float16_reciprocal_codes_are_not_exact_for_fp16_rows():
