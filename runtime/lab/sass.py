@@ -216,25 +216,8 @@ def _choice_lines(path: str) -> frozenset[tuple[str, int]]:
     return frozenset(lines)
 
 
-RARE_INPUT = "(rare input)"  # in a generated `if` line's comment: its body is rare-input code (cold)
-
-
-@functools.cache
-def _rare_lines(path: str) -> frozenset[int]:
-    """Lines of a generated module in the body of an `if` whose line says RARE_INPUT."""
-    text = Path(path).read_text()
-    source = text.splitlines()
-    return frozenset(
-        n
-        for node in ast.walk(ast.parse(text))
-        if isinstance(node, ast.If) and RARE_INPUT in source[node.lineno - 1]
-        for stmt in node.body
-        for n in range(stmt.lineno, stmt.end_lineno + 1)
-    )
-
-
 def label_blocks(blocks: list[Block], module_path: Path) -> None:
-    """Each block's pass and whether it is compressed-writer, parity-choice or rare-input code, from the line
+    """Each block's pass and whether it is compressed-writer or parity-choice code, from the line
     info of its instructions in the generated module and in the methods its Kernel inherits
     (kernel_base); a block with none there, or only in the RoPE helpers both passes call, inherits
     from its predecessors when they agree."""
@@ -255,8 +238,6 @@ def label_blocks(blocks: list[Block], module_path: Path) -> None:
             blk.compress = sum(n in lines[f][1] for f, n in own) * 2 > len(own)
             choice = _choice_lines(str(module_path))
             blk.choice = all((Path(f).name, n) in choice for f, n in own)
-            rare = _rare_lines(str(module_path))
-            blk.cold |= all(Path(f).name == Path(module_path).name and n in rare for f, n in own)
             if passes or any(m not in shared for m in methods):
                 blk.region = passes.most_common(1)[0][0] if passes else None
                 continue
