@@ -139,8 +139,9 @@ def test_prune_drops_duplicates_and_invalid_configs_keeping_order():
     big = LaunchConfig(32, 1, True, True)  # 1024 threads: still valid
     assert tune.prune([a, b, a, big, b]) == [a, b, big]
     assert (
-        len(tune.prune(tune.DEFAULT_SPACE)) == len(tune.DEFAULT_SPACE) == 119
-    )  # 64 + 8 register-capped + 8 of them spread + 8 lean_quant + 4 of them defaults_only + 8 row_split
+        len(tune.prune(tune.DEFAULT_SPACE)) == len(tune.DEFAULT_SPACE) == 124
+    )  # 64 + 8 register-capped + 8 of them spread + 8 lean_quant + 4 of them defaults_only + 5 of those
+    # without the streaming hint + 8 row_split + 19 with the cos/sin rows late
 
 
 def test_tune_shapes_follow_the_variant():

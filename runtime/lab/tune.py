@@ -51,6 +51,11 @@ DEFAULT_SPACE = (
         LaunchConfig(w, 1, True, True, streaming=True, lean_quant=True, defaults_only=True)
         for w in (2, 4, 8, 16)
     ]
+    + [  # the same without the streaming hint: the compressed writers' scan kernel won by 1.1-1.5x
+        # (results/experiments/tune-comp-r4-h200-f876c85.json.gz)
+        LaunchConfig(w, 1, True, True, lean_quant=True, defaults_only=True)
+        for w in (1, 2, 4, 8, 16)
+    ]
     + [  # a KV row over 2 warps (plain KV writers of D = 512 only: Variant.row_splits), for decode sizes
         LaunchConfig(w, u, True, True, streaming=True, lean_quant=True, defaults_only=True, row_split=2)
         for w in (2, 4, 8, 16)
