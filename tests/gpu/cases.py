@@ -319,3 +319,16 @@ def describe_mismatch(got: Inputs, want: Inputs) -> str:
         else:
             lines.append(f"q_out fp8: bytes differing {int((raw(gq) != raw(wq)).sum())}")
     return "; ".join(lines)
+
+
+def boundaries(ratio: int):
+    """Make about a third of the rows group boundaries ((position + 1) % ratio == 0), the rest not."""
+
+    def mutate(x):
+        pos = x.positions
+        k = torch.arange(pos.shape[0], device=pos.device)
+        group = torch.div(pos, ratio, rounding_mode="floor")
+        on = (k % 3 == 0) & ((group + 1) * ratio - 1 < x.cos_sin_cache.shape[0])
+        pos.copy_(torch.where(on, (group + 1) * ratio - 1, pos))
+
+    return mutate

@@ -12,7 +12,15 @@ from attn_prologue import api, dispatch
 from attn_prologue.launch import LaunchConfig
 from attn_prologue.scratch import ScratchPool
 
-from .cases import Case, compare, describe_mismatch, make_inputs, run_kernel, run_reference
+from .cases import (
+    Case,
+    boundaries,
+    compare,
+    describe_mismatch,
+    make_inputs,
+    run_kernel,
+    run_reference,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -27,19 +35,6 @@ def check(case: Case, mutate=None, **kw):
     diff = compare(got, want)
     assert all(v == 0 for v in diff.values()), f"{case}: {diff} {describe_mismatch(got, want)}"
     return x, got
-
-
-def boundaries(ratio: int):
-    """Make about a third of the rows group boundaries ((position + 1) % ratio == 0), the rest not."""
-
-    def mutate(x):
-        pos = x.positions
-        k = torch.arange(pos.shape[0], device=pos.device)
-        group = torch.div(pos, ratio, rounding_mode="floor")
-        on = (k % 3 == 0) & ((group + 1) * ratio - 1 < x.cos_sin_cache.shape[0])
-        pos.copy_(torch.where(on, (group + 1) * ratio - 1, pos))
-
-    return mutate
 
 
 QKV_FORMATS = [("fp8_ds_mla", False), ("mxfp8", False), ("mxfp8", True), ("nvfp4_dsv4", False)]
