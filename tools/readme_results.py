@@ -75,6 +75,11 @@ def correctness() -> list[str]:
                  "the reference, bad inputs, graphs, the native path",
                  f"{suite['passed']} passed, {suite['failures'] + suite['errors']} failed "
                  f"(at {suite['provenance']['git_commit'][:7]}, {suite['provenance']['date'][:10]})", _file("gpu-suite-h200.json")))  # fmt: skip
+    picks = _json("gpu-database-h200.json")
+    rows.append(("every (module, launch config) the shipped tuning database picks, at its bucket's size "
+                 "(`tests/gpu/test_database_gpu.py`, on an H200)",
+                 f"{picks['passed']} passed, {picks['failures'] + picks['errors']} failed "
+                 f"(at {picks['provenance']['git_commit'][:7]}, {picks['provenance']['date'][:10]})", _file("gpu-database-h200.json")))  # fmt: skip
     root = ET.parse(RESULTS / "compat-gpu-h200.xml").getroot()
     s = root if root.tag == "testsuite" else root.find("testsuite")
     failed = int(s.get("failures")) + int(s.get("errors"))
