@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from attn_prologue import reference
 from attn_prologue.formats import get_format
-from attn_prologue.variants import IoDtype
+from attn_prologue.variants import IoDtype, QOut, Variant
 
 # Launch configs covering every knob: CTA size, passes per warp, PDL, ld.global.nc, persistent grids
 # (cases with n=513 exceed 4 CTAs x 132 SMs, so warps stride), KV spread, streaming hints with a
@@ -91,6 +91,19 @@ class Case:
             + (f"-r{self.compress_ratio}" if self.compress_ratio != 1 else "")
             + ("-i32" if self.slot_dtype == "int32" else "")
         )
+
+
+def module_fields(v: Variant) -> dict:
+    """The Case fields a generated module's name fixes (its Q layout aside: callers choose heads that
+    layout takes)."""
+    return dict(
+        head_dim=v.head_dim,
+        rope_dim=v.rope_dim,
+        cache_format=v.cache_format,
+        dtype=v.io_dtype.value,
+        op=v.op.value,
+        q_fp8=v.q_out is QOut.FP8,
+    )
 
 
 @dataclass

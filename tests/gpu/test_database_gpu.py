@@ -11,9 +11,18 @@ import pytest
 import torch
 from attn_prologue import tuning
 from attn_prologue.launch import LaunchConfig
-from attn_prologue.variants import QOut, parse_name
+from attn_prologue.variants import parse_name
 
-from .cases import Case, boundaries, compare, describe_mismatch, make_inputs, run_kernel, run_reference
+from .cases import (
+    Case,
+    boundaries,
+    compare,
+    describe_mismatch,
+    make_inputs,
+    module_fields,
+    run_kernel,
+    run_reference,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -39,12 +48,7 @@ def test_shipped_choice_matches_reference(name, key, ratio, heads, written, buck
         n=n,
         h=heads,
         p=written,
-        head_dim=v.head_dim,
-        rope_dim=v.rope_dim,
-        cache_format=v.cache_format,
-        dtype=v.io_dtype.value,
-        op=v.op.value,
-        q_fp8=v.q_out is QOut.FP8,
+        **module_fields(v),
         q_layout=v.q_layout.value,
         compress_ratio=ratio,
         block_size=64,

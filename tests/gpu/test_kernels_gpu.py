@@ -10,7 +10,7 @@ import torch
 from attn_prologue import dispatch, ops
 from attn_prologue.formats import get_format
 from attn_prologue.launch import LaunchConfig
-from attn_prologue.variants import ArchFamily, QOut, generated, parse_name
+from attn_prologue.variants import ArchFamily, generated, parse_name
 
 from .cases import (
     CONFIG_KEYS,
@@ -19,6 +19,7 @@ from .cases import (
     compare,
     describe_mismatch,
     make_inputs,
+    module_fields,
     run_kernel,
     run_reference,
 )
@@ -39,15 +40,7 @@ def check(case: Case, **kw):
 
 
 def cases_for(name: str) -> list[Case]:
-    v = parse_name(name)
-    base = dict(
-        head_dim=v.head_dim,
-        rope_dim=v.rope_dim,
-        cache_format=v.cache_format,
-        dtype=v.io_dtype.value,
-        op=v.op.value,
-        q_fp8=v.q_out is QOut.FP8,
-    )
+    base = module_fields(parse_name(name))
     return [
         Case(n=1, h=8, p=16, block_size=16, seed=1, **base),
         Case(n=7, h=16, p=16, block_size=64, negative_every=3, seed=2, **base),
