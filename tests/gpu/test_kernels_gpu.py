@@ -5,12 +5,14 @@ the reference run on clones of the same poisoned buffers."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from attn_prologue import dispatch, ops
 from attn_prologue.formats import get_format
 from attn_prologue.launch import LaunchConfig
-from attn_prologue.variants import ArchFamily, generated, parse_name
+from attn_prologue.variants import INTERLEAVED_PADDED_HEADS, ArchFamily, QLayout, generated, parse_name
 
 from .cases import (
     CONFIG_KEYS,
@@ -40,13 +42,17 @@ def check(case: Case, **kw):
 
 
 def cases_for(name: str) -> list[Case]:
-    base = module_fields(parse_name(name))
-    return [
+    v = parse_name(name)
+    base = module_fields(v)
+    cases = [
         Case(n=1, h=8, p=16, block_size=16, seed=1, **base),
         Case(n=7, h=16, p=16, block_size=64, negative_every=3, seed=2, **base),
         Case(n=64, h=8, p=64, block_size=256, m=50, page_pad=48, kv_row_pad=64, seed=3, **base),
         Case(n=513, h=16, p=32, block_size=64, negative_every=7, zero_rows=2, seed=4, **base),
     ]
+    if v.q_layout is QLayout.INTERLEAVED:  # run that module (the call picks it), at a P it takes
+        cases = [replace(c, p=INTERLEAVED_PADDED_HEADS[0], q_layout=v.q_layout.value) for c in cases]
+    return cases
 
 
 @pytest.mark.parametrize("name", SM90)
