@@ -70,16 +70,15 @@ def _span(values, target: str) -> str:
 
 def correctness() -> list[str]:
     rows = []
-    suite = _json("gpu-suite-h200.json")
-    rows.append(("the GPU suite (`tests/gpu`, on an H200): every sm_90a variant and launch knob bit-exact against "
-                 "the reference, bad inputs, graphs, the native path",
-                 f"{suite['passed']} passed, {suite['failures'] + suite['errors']} failed "
-                 f"(at {suite['provenance']['git_commit'][:7]}, {suite['provenance']['date'][:10]})", _file("gpu-suite-h200.json")))  # fmt: skip
-    picks = _json("gpu-database-h200.json")
-    rows.append(("every (module, launch config) the shipped tuning database picks, at its bucket's size "
-                 "(`tests/gpu/test_database_gpu.py`, on an H200)",
-                 f"{picks['passed']} passed, {picks['failures'] + picks['errors']} failed "
-                 f"(at {picks['provenance']['git_commit'][:7]}, {picks['provenance']['date'][:10]})", _file("gpu-database-h200.json")))  # fmt: skip
+    for name, what in (
+        ("gpu-suite-h200.json", "the GPU suite (`tests/gpu`, on an H200): every sm_90a variant and launch knob "
+         "bit-exact against the reference, bad inputs, graphs, the native path"),
+        ("gpu-database-h200.json", "every (module, launch config) the shipped tuning database picks, at its "
+         "bucket's size (`tests/gpu/test_database_gpu.py`, on an H200)"),
+    ):  # fmt: skip
+        run = _json(name)  # a run_suite.sh result file
+        rows.append((what, f"{run['passed']} passed, {run['failures'] + run['errors']} failed "
+                     f"(at {run['provenance']['git_commit'][:7]}, {run['provenance']['date'][:10]})", _file(name)))  # fmt: skip
     root = ET.parse(RESULTS / "compat-gpu-h200.xml").getroot()
     s = root if root.tag == "testsuite" else root.find("testsuite")
     failed = int(s.get("failures")) + int(s.get("errors"))

@@ -1,8 +1,9 @@
 """Every launch config the shipped tuning database picks, run at the size it was picked for, bit for
 bit against the reference. The launch-config tests (test_kernels_gpu.py) cover every knob on a few
 modules at small sizes; this covers the exact (module, config, compress ratio) choices a serving
-call on the tuned GPU runs, with the heads they were tuned at and token counts in their bucket (up
-to 4096: past that only the grid's stride count grows), so a re-tune cannot ship an untested pair.
+call on the tuned GPU runs, with the heads they were tuned at and a token count inside their largest
+bucket (at most 3584: past that only the grid's stride count grows), so a re-tune cannot ship an
+untested pair.
 """
 
 from __future__ import annotations
