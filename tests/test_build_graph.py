@@ -80,7 +80,7 @@ def _check_graph(root: Path, keys: list[tuple[Variant, KernelKey]], graph: Path)
         mine = shlex.split(e["vars"]["entries"])
         assert int(e["vars"]["count"]) == len(mine)
         vs = {expected[spec][0] for spec in mine}
-        assert {build.shard_of(v) for v in vs} == {e["vars"]["shard"].split(".")[0]}  # (one group's part)
+        assert re.fullmatch(r"part\d+of\d+", e["vars"]["shard"]) and vs
         assert set(e["inputs"]) == {str(compiler.module_path(v.name)) for v in vs} | shared
         # the edge's output is its stamp, never an entry: ninja deletes an interrupted edge's outputs
         assert e["outputs"] == [str(build.stamp_path(graph, e["vars"]["shard"]))]
@@ -124,28 +124,49 @@ def test_full_build_graph_is_complete(tmp_path):
     graph = root / "build" / "one" / "build.ninja"
     build.write_graph(KernelCache(root), keys, graph, jobs=2)
     edges = _check_graph(root, keys, graph)
-    # every group is in the graph, a large one in parts of at most a third of one job's share, and the
-    # edges come largest first (ninja starts them in that order)
+    # one edge per job, each with every op, head dim and target (the same mix), sizes within one entry
     counts = [int(e["vars"]["count"]) for e in edges]
-    assert {e["vars"]["shard"].split(".")[0] for e in edges} == {build.shard_of(v) for v, _ in keys}
-    assert len(edges) > len({build.shard_of(v) for v, _ in keys})
-    assert max(counts) <= -(-len(keys) // 6) and counts == sorted(counts, reverse=True)
+    assert len(edges) == 2 and max(counts) - min(counts) <= 1
+    for e in edges:
+        mine = [spec.split(":") for spec in shlex.split(e["vars"]["entries"])]
+        assert {parse_name(v).op for v, _t, _c in mine} == {v.op for v, _ in keys}
+        assert {parse_name(v).head_dim for v, _t, _c in mine} == {v.head_dim for v, _ in keys}
+        assert {t for _v, t, _c in mine} == {k.target for _, k in keys}
     assert not list(root.rglob("meta.json"))  # writing the graph compiles nothing
 
 
 def test_shards_balance_for_the_jobs():
-    """More jobs, smaller parts; a small build stays one edge per group."""
+    """One part per job, sizes within one entry, every key in exactly one part; a small build takes
+    fewer parts (at least MIN_ENTRIES_PER_EDGE entries each), never an empty one."""
     keys = build.build_keys(variant_space())
-    groups = {build.shard_of(v) for v, _ in keys}
-    two, eight = build.balanced_shards(keys, 2), build.balanced_shards(keys, 8)
-    assert len(groups) < len(two) < len(eight)
-    for shards in (two, eight):
-        spec = lambda k: (k.variant, k.target, k.config.key)  # noqa: E731
-        assert sorted(spec(k) for items in shards.values() for _, k in items) == sorted(
-            spec(k) for _, k in keys
+    spec = lambda k: (k.variant, k.target, k.config.key)  # noqa: E731
+    for jobs, n_keys, parts in ((2, len(keys), 2), (8, len(keys), 8), (2, 16, 2), (2, 15, 1), (4, 3, 1)):
+        shards = build.balanced_shards(keys[:n_keys], jobs)
+        sizes = [len(items) for items in shards.values()]
+        assert len(shards) == parts and min(sizes) >= 1 and max(sizes) - min(sizes) <= 1, (
+            jobs,
+            n_keys,
+            sizes,
         )
-    few = keys[:16]  # (no part is cut below 16 entries)
-    assert len(build.balanced_shards(few, 2)) == len({build.shard_of(v) for v, _ in few})
+        assert sorted(spec(k) for items in shards.values() for _, k in items) == sorted(
+            spec(k) for _, k in keys[:n_keys]
+        )
+
+
+def test_run_ninja_reports_progress_and_the_exit_status(tmp_path, monkeypatch, capsys):
+    """While ninja runs, a line every PROGRESS_SECONDS counts the entries already published; the
+    command's exit status comes back (here a stand-in command that publishes one entry of two)."""
+    cache = KernelCache(tmp_path / "cache")
+    keys = [k for _, k in build.build_keys([v for v in variant_space() if v.name.startswith(SMALL)])][:2]
+    cache.meta_path(keys[0]).parent.mkdir(parents=True)
+    cache.meta_path(keys[0]).write_text("{}")
+    monkeypatch.setattr(build, "PROGRESS_SECONDS", 0.2)
+    assert build.run_ninja([sys.executable, "-c", "import time; time.sleep(1.5)"], cache, keys) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 3 and all(
+        re.fullmatch(r"build: 1/2 kernels compiled \(\d+s\)", line) for line in lines
+    )
+    assert build.run_ninja([sys.executable, "-c", "raise SystemExit(3)"], cache, keys) == 3
 
 
 @pytest.mark.slow
@@ -168,7 +189,7 @@ def test_second_build_does_no_work(built):
     assert seconds < 30, f"a no-op build took {seconds:.1f}s"
 
 
-SMALL = "kv_d512r64_bf16_bf16"  # 3 variants, 4 kernels: one shard, quick to compile
+SMALL = "kv_d512r64_bf16_bf16"  # 3 variants, 4 kernels: one edge, quick to compile
 
 
 def test_ctrl_c_during_a_build_keeps_every_finished_entry(tmp_path):

@@ -4,6 +4,7 @@ provenance.
 
     python tools/time_build.py --json results/build-cpu.json
     python tools/time_build.py --targets sm_90a --json results/build-cpu-sm90a.json   # one GPU type
+    python tools/time_build.py --json out.json --keep-cache /tmp/after   # keep the kernels it built
 
 The README's build-time and kernel-count claims come from these files (tests/test_readme.py).
 """
@@ -85,10 +86,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="where to write the record")
     parser.add_argument("--targets", help="passed to `build --targets` (default: build's default targets)")
+    parser.add_argument("--keep-cache", type=Path, help="build into this new directory and keep it (default: a "
+                        "temporary one, removed), e.g. for tools/same_kernels.py")  # fmt: skip
     args = parser.parse_args()
+    if args.keep_cache is not None and args.keep_cache.exists():
+        parser.error(f"--keep-cache {args.keep_cache} exists: the build must start from an empty cache")
     with tempfile.TemporaryDirectory(prefix="attn-prologue-build-") as tmp:
         report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir", str(Path(tmp) / "cache"),
+        cache = args.keep_cache if args.keep_cache is not None else Path(tmp) / "cache"
+        cmd = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir", str(cache),
                "--report", str(report)] + (["--targets", args.targets] if args.targets else [])  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)

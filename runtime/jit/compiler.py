@@ -145,7 +145,12 @@ def compile_entry(variant: str, config: LaunchConfig, target: str, out_dir: Path
     with tempfile.TemporaryDirectory(prefix="attn-prologue-dump-") as dump:
         options = f"--gpu-arch {target} --enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir {dump}"
         try:
-            compiled = cute.compile(mod.Kernel(config), *mod.fake_arguments(config), options=options)
+            # no_jit_engine: the DSL would also link the host code in-process (a second object emit and a
+            # JIT link, ~0.2 s a kernel) whenever it thinks this machine could run `target` (on a host
+            # without a GPU it assumes sm_100); nothing here calls the compiled function in-process
+            compiled = cute.compile(
+                mod.Kernel(config), *mod.fake_arguments(config), options=options, no_jit_engine=True
+            )
         except Exception as exc:  # the DSL raises many types; keep the message, name the entry
             raise CompileError(f"compiling {variant} [{config.key}] for {target} failed: {exc}") from exc
         ptx = compiled.artifacts.PTX

@@ -111,7 +111,9 @@ def line_info_cubin(variant: str, config: LaunchConfig, target: str) -> bytes:
     mod = compiler.load_module(variant)
     with tempfile.TemporaryDirectory(prefix="attn-prologue-sass-") as dump:
         options = f"--gpu-arch {target} --enable-tvm-ffi --keep-ptx --keep-cubin --dump-dir {dump} --generate-line-info"
-        compiled = cute.compile(mod.Kernel(config), *mod.fake_arguments(config), options=options)
+        compiled = cute.compile(
+            mod.Kernel(config), *mod.fake_arguments(config), options=options, no_jit_engine=True
+        )
         return compiled.artifacts.CUBIN
 
 
