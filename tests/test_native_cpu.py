@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,15 @@ QKV = (
 def own_native_root(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTN_PROLOGUE_CACHE", str(tmp_path / "kernels"))
     return tmp_path / "kernels" / "native"  # inside the cache root it names, never beside it
+
+
+@pytest.fixture(scope="module")
+def torch_ops_cache(tmp_path_factory):
+    """A kernel cache holding the C++ torch-op library, built once for this module's tests that load it
+    (each build compiles torch's headers: 20-30 s on a 2-core machine)."""
+    root = tmp_path_factory.mktemp("torch-ops") / "kernels"
+    native.build("torch_ops", root)
+    return root
 
 
 def test_the_fast_path_module_builds_and_loads_here():
@@ -159,7 +169,7 @@ def test_turned_off_the_python_path_serves():
 READER_CHECK = """
 import json, torch, attn_prologue as ap
 from attn_prologue import native, torch_op
-p = torch_op.load_native_kernels(build=True)
+torch_op.load_native_kernels(build=True)  # (None when the import already loaded a built library)
 has = torch._C._dispatch_has_kernel_for_dispatch_key
 fp = native.fastpath()
 g = torch.Generator().manual_seed(0)
@@ -183,7 +193,7 @@ except InputError as exc:
     neg_after_plan = "resolve_neg" in str(exc)
 print(json.dumps({
     "neg_after_plan": [neg_after_plan, rt.kernel.calls],
-    "built": p is not None, "kernels": torch_op.cuda_kernels(),
+    "built": native.built_path("torch_ops") is not None, "kernels": torch_op.cuda_kernels(),
     "cuda_key": [has(f"attn_prologue::{op}", "CUDA") for op in ("qnorm_rope_kv_insert", "kv_rope_insert")],
     "same": [fp.dltensor(t, "unpacker") == fp.dltensor(t, "exchange") for t in plain],
     "read_by_reader": [fp.dltensor(t, "unpacker") is not None for t in plain + odd],
@@ -194,14 +204,16 @@ print(json.dumps({
 """
 
 
-def test_the_torch_op_kernels_build_against_this_torch_take_the_cuda_key_and_read_tensors_in_place(tmp_path):
+def test_the_torch_op_kernels_build_against_this_torch_take_the_cuda_key_and_read_tensors_in_place(
+    torch_ops_cache,
+):
     """Built and loaded in a child process (loading takes over the ops' CUDA key for the process).
     The library's tensor reader, handed to the fast-path module, sees every plain tensor as torch's
     DLPack exchange API does (data, device, dtype, shape, strides, offset). A subclass is left to the
     exchange API (as without the library); a lazily negated view, which the exchange API reads as its
     stored bits, is refused outright: a plan's call never reads it, so the call takes the Python path,
     whose validation names it."""
-    env = {**os.environ, "ATTN_PROLOGUE_CACHE": str(tmp_path / "kernels")}
+    env = {**os.environ, "ATTN_PROLOGUE_CACHE": str(torch_ops_cache)}
     out = subprocess.run([sys.executable, "-c", READER_CHECK], capture_output=True, text=True, env=env,
                          cwd=Path(__file__).parent.parent, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -221,7 +233,8 @@ from attn_prologue import ops, torch_op
 from attn_prologue.errors import InputError
 from tests.support.bad_inputs import valid, valid_kv
 from tests.support.stub_kernels import StubRuntime
-assert torch_op.load_native_kernels(build=True) is not None
+torch_op.load_native_kernels(build=True)
+assert torch_op.cuda_kernels() == "C++"
 rt = StubRuntime(native=True)
 slow = []
 # the dispatcher hands a Python kernel the arguments up to the last one that is not its default
@@ -274,13 +287,13 @@ print(json.dumps(out))
 """
 
 
-def test_the_torch_op_kernels_take_their_arguments_off_the_dispatchers_stack(tmp_path):
+def test_the_torch_op_kernels_take_their_arguments_off_the_dispatchers_stack(torch_ops_cache):
     """The C++ kernels are boxed: they read the 16 (12) arguments off the stack torch.ops built. Called
     directly at the CUDA key on CPU tensors (a stub TVM-FFI kernel behind the plans): the first call
     takes the slow path on the same stack and returns None, later calls run the plan it handed back,
     passing the kernel exactly the tensors the Python path passed, and a call the plan refuses (k_cache
     inside q_out, kv inside k_cache) goes to the slow path, whose validation raises, launching nothing."""
-    env = {**os.environ, "ATTN_PROLOGUE_CACHE": str(tmp_path / "kernels")}
+    env = {**os.environ, "ATTN_PROLOGUE_CACHE": str(torch_ops_cache)}
     out = subprocess.run([sys.executable, "-c", BOXED_CHECK], capture_output=True, text=True, env=env,
                          cwd=Path(__file__).parent.parent, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -325,8 +338,11 @@ def test_a_shared_cache_is_never_written(own_native_root, monkeypatch):
     assert not own_native_root.exists()
 
 
-def test_an_untrusted_native_entry_is_refused_with_a_warning_and_the_package_still_imports(own_native_root):
-    native.build("torch_ops")
+def test_an_untrusted_native_entry_is_refused_with_a_warning_and_the_package_still_imports(
+    own_native_root, torch_ops_cache
+):
+    shutil.copytree(torch_ops_cache / "native", own_native_root)  # (an intact entry, modes kept)
+    assert native.built_path("torch_ops") is not None
     os.chmod(own_native_root / "torch_ops", 0o777)
     code = "import attn_prologue as ap; from attn_prologue import torch_op; print(torch_op.cuda_kernels())"
     out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
