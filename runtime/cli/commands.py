@@ -240,8 +240,16 @@ def cmd_package_kernels(args) -> int:
 def cmd_compile_entries(args) -> int:
     # A ninja edge's worker. tvm_ffi (imported by the DSL) imports torch only to pre-empt a symbol clash
     # on Windows (its __init__ says so): 2 of a worker's 3.5 s of imports on a 2-core machine. A compile
-    # touches no tensor, so the worker hides torch; the kernels are the same bytes either way.
-    sys.modules.setdefault("torch", None)
+    # touches no tensor, so the worker imports tvm_ffi with torch hidden (the kernels are the same bytes);
+    # whatever imports torch later still gets it.
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # (an import of it raises ImportError, which tvm_ffi catches)
+        try:
+            import tvm_ffi  # noqa: F401
+        except ImportError:
+            pass  # (no DSL here: the compile below says so)
+        finally:
+            del sys.modules["torch"]
     from ..codegen import build
 
     build.compile_entries(_cache(args), args.entries, Path(args.stamp) if args.stamp else None)
