@@ -134,15 +134,31 @@ def test_the_cubin_is_found_inside_a_shared_object():
 # ---- the copy yardsticks ------------------------------------------------------------------------------
 @pytest.mark.parametrize("target", ["sm_90a", "sm_100a", "sm_120f"])
 def test_copy_kernels_compile_to_their_vectors_per_thread(target):
-    """Each SM copy kind moves its vectors with one 128-bit read-only load and one 128-bit store each."""
+    """Each SM copy kind moves its vectors with one 128-bit read-only load and one 128-bit store each,
+    in CTAs of its threads; a persistent kind loops over chunks (a backward branch), the others do not."""
     assert set(timing.COPY_KINDS) == set(copy_kernel.COPY_KINDS) | {"memcpy"}
-    for vectors in copy_kernel.COPY_KINDS.values():
+    for kind in [*copy_kernel.COPY_KINDS.values(), copy_kernel.CopyKind.from_key("t64_v4_row_c8")]:
         with tempfile.TemporaryDirectory() as dump:
-            ptx = copy_kernel.compile_copy(target, vectors, f"--keep-ptx --dump-dir {dump}").artifacts.PTX
+            ptx = copy_kernel.compile_copy(target, kind, f"--keep-ptx --dump-dir {dump}").artifacts.PTX
         assert re.search(rf"^\.target {target}$", ptx, re.M)
-        assert len(re.findall(r"ld\.global\.nc\.v4", ptx)) == vectors
-        assert len(re.findall(r"st\.global\.v4", ptx)) == vectors
+        assert re.search(rf"^\.reqntid {kind.threads}, 1, 1$", ptx, re.M)
+        assert len(re.findall(r"ld\.global\.nc\.v4", ptx)) == kind.vectors
+        assert len(re.findall(r"st\.global\.v4", ptx)) == kind.vectors
         assert not re.search(r"\b(ld|st)\.local\b", ptx)
+        seen, backward = set(), False
+        for label, jump in re.findall(r"^(\$L__BB\w+):|\bbra(?:\.uni)?\s+(\$L__BB\w+);", ptx, re.M):
+            seen |= {label} - {""}
+            backward |= jump in seen
+        assert backward == bool(kind.ctas_per_sm), kind.key
+
+
+def test_copy_kind_keys_round_trip_and_refuse_typos():
+    for key in ("t256_v1", "t64_v4_row", "t32_v2_row_c16", "t1024_v8_c1"):
+        assert copy_kernel.CopyKind.from_key(key).key == key
+    assert copy_kernel.CopyKind.from_key("sm1") == copy_kernel.CopyKind(256, 1)
+    for bad in ("t64_v3", "t48_v1", "t64_v4_rows", "sm2"):
+        with pytest.raises(ValueError, match="copy kind|must be"):
+            copy_kernel.CopyKind.from_key(bad)
 
 
 @pytest.mark.parametrize("variant", [f"{NVFP4}_sm90", f"{NVFP4}_sm120", "kv_d128r64_mxfp4_bf16_sm90"])

@@ -2,18 +2,24 @@
 replay, cold L2) and, under Nsight Compute, the kernels' counters.
 
   python tools/profile_shape.py --n 8192 --h 16 --p 16 [--config KEY] [--json out.json]
+  python tools/profile_shape.py --n 8192 --h 64 --p 64 --op-only --config KEY --config KEY2 \
+      --copy-kinds sm1,sm,t64_v4_row,t64_v2_row_c8 --rounds 3 --json out.json
   ncu --clock-control none --profile-from-start off --metrics ... python tools/profile_shape.py ... --ncu
 
 Ablations (same inputs, same run): the op; the op with every slot -1 (KV rows loaded, nothing
-written to the cache); the KV-only op (kv_rope_insert) on the same rows; the copy of the op's bytes;
-with P > H and pads written, torch's zero fill of the pad heads alone (write-only bandwidth).
-With --ncu, each is launched once between cudaProfilerStart/Stop instead of timed.
+written to the cache); the KV-only op (kv_rope_insert) on the same rows (--op-only: the op alone);
+the copies of the op's bytes, one per copy kind (copy_kernel.CopyKind: the bench's yardsticks and
+any other structure, e.g. a kernel's Q pass's) and cudaMemcpy; with P > H and pads written, torch's
+zero fill of the pad heads alone (write-only bandwidth). --rounds R times every case R times over,
+round-robin, and reports each case's median over the rounds (slow drifts of the machine fall on
+every case alike). With --ncu, each is launched once between cudaProfilerStart/Stop instead of timed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 
@@ -30,6 +36,11 @@ def main() -> None:
     ap.add_argument(
         "--config", action="append", help="launch config key(s); default: the dispatcher's choice"
     )
+    ap.add_argument("--op-only", action="store_true", help="no slots -1 and KV-only ablations")
+    ap.add_argument(
+        "--copy-kinds", default="sm,sm1", help="comma-separated SM copy kinds (names or CopyKind keys)"
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="time every case this many times, round-robin")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--ncu", action="store_true", help="launch each case once inside cudaProfilerStart/Stop")
     ap.add_argument("--json")
@@ -56,27 +67,32 @@ def main() -> None:
     for cfg in configs:
         tag = cfg.key if cfg else "dispatch"
         cases[f"op[{tag}]"] = bench.op_fns(shape, sets, config=cfg)
-        cases[f"op, slots -1[{tag}]"] = bench.op_fns(shape, skip, config=cfg)
-        cases[f"kv only[{tag}]"] = bench.op_fns(kv_shape, sets, config=cfg)
+        if not a.op_only:
+            cases[f"op, slots -1[{tag}]"] = bench.op_fns(shape, skip, config=cfg)
+            cases[f"kv only[{tag}]"] = bench.op_fns(kv_shape, sets, config=cfg)
     if (
         a.p > a.h and not a.zero_once
     ):  # the pad heads alone: torch's fill of q_out[:, H:] and of as many contiguous bytes
         cases["pads only: q_out[:, H:].zero_()"] = [lambda s=s: s["q_out"][:, a.h :].zero_() for s in sets]
         flat = [s["q_out"].view(-1)[: a.n * (a.p - a.h) * a.head_dim] for s in sets]
         cases["pads only: contiguous zero_()"] = [lambda f=f: f.zero_() for f in flat]
-    copy = copy_fns(shape.min_bytes(), nsets, "sm")
-    memcpy = copy_fns(shape.min_bytes(), nsets, "memcpy")
-    copy_kv = copy_fns(kv_shape.min_bytes(), nsets, "sm")
+    kinds = a.copy_kinds.split(",")
+    for kind in kinds:  # "copy" is the bench's first yardstick (sm); the others are named by kind
+        cases["copy" if kind == "sm" else f"copy[{kind}]"] = copy_fns(shape.min_bytes(), nsets, kind)
+    cases["memcpy"] = copy_fns(shape.min_bytes(), nsets, "memcpy")
+    if not a.op_only:
+        cases["copy kv bytes"] = copy_fns(kv_shape.min_bytes(), nsets, "sm")
     if a.ncu:
-        for fns in [*cases.values(), copy, copy_kv]:
+        for fns in cases.values():
             fns[0]()  # compile / bind outside the profiled range
         torch.cuda.synchronize()
         torch.cuda.profiler.start()
-        for fns in [*cases.values(), copy, copy_kv]:
-            fns[1 % len(fns)]()
+        for name, fns in cases.items():
+            if name != "memcpy":
+                fns[1 % len(fns)]()
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
-        print("profiled, in order:", list(cases) + ["copy", "copy kv bytes"])
+        print("profiled, in order:", [name for name in cases if name != "memcpy"])
         return
     calls = max(nsets, 20)
     out = {
@@ -84,10 +100,15 @@ def main() -> None:
         "shape": shape.label,
         "bytes": shape.min_bytes(),
         "kv_bytes": kv_shape.min_bytes(),
+        "rounds": a.rounds,
         "us": {},
+        "us_per_round": {name: [] for name in cases},
     }
-    for name, fns in [*cases.items(), ("copy", copy), ("memcpy", memcpy), ("copy kv bytes", copy_kv)]:
-        out["us"][name] = graph_time_us(fns, replays=a.replays, calls_per_graph=calls)["median_us"]
+    for _ in range(a.rounds):
+        for name, fns in cases.items():
+            t = graph_time_us(fns, replays=a.replays, calls_per_graph=calls)["median_us"]
+            out["us_per_round"][name].append(t)
+    out["us"] = {name: statistics.median(ts) for name, ts in out["us_per_round"].items()}
     for name, us in out["us"].items():
         nbytes = kv_shape.min_bytes() if "kv" in name else shape.min_bytes()
         if name.startswith("pads only"):

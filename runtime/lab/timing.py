@@ -62,8 +62,9 @@ def host_time_us(call: Callable[[], object], calls: int = 2000, warmup: int = 10
 
 
 def copy_fns(nbytes: int, sets: int, kind: str = "sm") -> list[Callable[[], None]]:
-    """Device-to-device copies moving nbytes in total (nbytes/2 read + nbytes/2 written):
-    the kinds of copy_kernel.COPY_KINDS (128-bit loads/stores on the SMs), or "memcpy", torch's copy_."""
+    """Device-to-device copies moving nbytes in total (nbytes/2 read + nbytes/2 written): an SM copy
+    (128-bit loads/stores; `kind` names one of copy_kernel.COPY_KINDS or is a CopyKind key), or
+    "memcpy", torch's copy_."""
     half = max(64, nbytes // 2 // 64 * 64)
     bufs = [
         (
@@ -81,7 +82,9 @@ def copy_fns(nbytes: int, sets: int, kind: str = "sm") -> list[Callable[[], None
     from . import copy_kernel
 
     fn = copy_kernel.compiled(dispatch.default_runtime().device().target, kind)
-    return [lambda s=s, d=d: fn(s, d) for s, d in bufs]
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    max_ctas = copy_kernel.CopyKind.from_key(kind).ctas_per_sm * sms  # (a persistent kind's grid cap)
+    return [lambda s=s, d=d: fn(s, d, max_ctas) for s, d in bufs]
 
 
 COPY_KINDS = ("sm", "sm1", "memcpy")  # copy_kernel.COPY_KINDS, then torch's copy_
