@@ -114,6 +114,20 @@ def test_qkv_counts_q_rows_and_kv_rows_apart(cache):
         counted(cache, f"{NVFP4}_sm90", row="q")
 
 
+def test_per_value_counts_every_pass_of_a_unit(cache):
+    """With passes_per_warp = 2 a warp's unit is two rows, unrolled: the count holds both rows' accesses
+    (twice the memory instructions of one) and per value divides by both rows' values, so it stays
+    near the one-row figure instead of doubling (a bench row once reported 30.6 for 15.3)."""
+    variant = "qkv_d512r64_fp8_ds_mla_bf16_sm90"
+    one = dataclasses.replace(parse_name(variant).arch.default_config, passes_per_warp=1)
+    two = dataclasses.replace(one, passes_per_warp=2)
+    for row in ("q", "kv"):
+        a, b = (sass.count(variant, c, "sm_90a", row=row) for c in (one, two))
+        assert b["values_per_lane"] == 2 * a["values_per_lane"]
+        assert b["classes"]["memory"] == 2 * a["classes"]["memory"], row
+        assert 0.8 * a["per_value"] < b["per_value"] < 1.1 * a["per_value"], (row, a["per_value"], b["per_value"])
+
+
 def test_without_nvdisasm_the_reason_is_given(monkeypatch, tmp_path):
     monkeypatch.setattr(sass_reader, "nvdisasm_candidates", lambda: [tmp_path / "nvdisasm"])
     sass.nvdisasm.cache_clear()

@@ -206,7 +206,7 @@ class Kernel(KernelBase):
         ids = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             r = (p + u) * Q_ROWS_PER_PASS + lane // Q_LANES_PER_ROW
-            t = r // q_heads
+            t = Int32(cutlass.Uint32(r) // cutlass.Uint32(q_heads))  # r < T x H < 2^31: unsigned, 12 instructions fewer
             h = r - t * q_heads
             valid = t < args.q_in.shape[0]
             position = Int64(0)

@@ -1,8 +1,9 @@
 """SASS instructions per stored value of a kernel module, read from its compiled cubin on the CPU.
 
-What is counted. The kernels of the default launch configs are loop-free (a warp runs one pass of
-32 / LANES_PER_ROW rows), so one warp's pass is a path through the DAG of the kernel's basic blocks
-(a persistent config's loop body, one unit, is counted once with the code around it). The count of a row kind ("kv" rows, "q" rows, with or without a
+What is counted. The kernels of the default launch configs are loop-free (a warp runs one unit:
+passes_per_warp passes of 32 / LANES_PER_ROW rows each, unrolled), so one warp's unit is a path through
+the DAG of the kernel's basic blocks (a persistent config's loop body, one unit, is counted once with
+the code around it). The count of a row kind ("kv" rows, "q" rows, with or without a
 compress ratio) is the number of instructions in every block that a steady-state pass of that kind
 can reach from the entry: a block is left out when it belongs to another kind of pass (`q_pass`,
 `pad_pass`, `kv_pass` of the generated module, read from the line info), to the compressed writers'
@@ -18,9 +19,9 @@ asks for that choice, so `instructions` counts the format defaults' path and
 `instructions_every_choice` the union; choice code the compiler if-converts into a shared block
 (predicated) counts in both, as it is issued.
 
-Per value: that count divided by the values one lane handles in one pass (D / LANES_PER_ROW), i.e.
-thread instructions per value; a warp issues count warp instructions per pass of 32 / LANES_PER_ROW
-rows. Not modelled: dual issue does not exist on these parts, but issue slots lost to dependencies
+Per value: that count divided by the values one lane handles in one unit (passes_per_warp x D /
+LANES_PER_ROW), i.e. thread instructions per value; a warp issues count warp instructions per unit of
+passes_per_warp x 32 / LANES_PER_ROW rows. Not modelled: dual issue does not exist on these parts, but issue slots lost to dependencies
 and memory stalls are not counted (a lower bound on issue time, not an estimate of it).
 
 The line info comes from a twin compiled with `--generate-line-info`, checked to disassemble to the
@@ -293,7 +294,7 @@ def count(
     cache: KernelCache | None = None,
     kernel: str = "kernel",
 ) -> dict:
-    """Instructions per lane and pass of one row kind (module docstring), their classes, and per value.
+    """Instructions per lane and unit of one row kind (module docstring), their classes, and per value.
     With `cache`, the module's entry there (if built) is checked to have the same SASS as the twin.
     `kernel="scan_kernel"`: a kv-only module's kernel for compressed writers' large calls, where a
     unit's pass is its window's scan and one round of boundary rows."""
@@ -324,7 +325,7 @@ def count(
     every_choice = sum(len(blocks[b].instrs) for b in reachable(blocks, region, compress, choices=True))
     mod = compiler.load_module(variant)
     lanes = mod.Q_LANES_PER_ROW if row == "q" else mod.LANES_PER_ROW * config.row_split  # a row's lanes
-    values = mod.HEAD_DIM // lanes
+    values = mod.HEAD_DIM // lanes * config.passes_per_warp  # a unit's passes are unrolled: all counted
     main = [i for i in instrs if i.function == "main"]
     calls = Counter(
         _TARGET.search(i.operands)[1].split("$__")[-1]
