@@ -125,7 +125,11 @@ def test_per_value_counts_every_pass_of_a_unit(cache):
         a, b = (sass.count(variant, c, "sm_90a", row=row) for c in (one, two))
         assert b["values_per_lane"] == 2 * a["values_per_lane"]
         assert b["classes"]["memory"] == 2 * a["classes"]["memory"], row
-        assert 0.8 * a["per_value"] < b["per_value"] < 1.1 * a["per_value"], (row, a["per_value"], b["per_value"])
+        assert 0.8 * a["per_value"] < b["per_value"] < 1.1 * a["per_value"], (
+            row,
+            a["per_value"],
+            b["per_value"],
+        )
 
 
 def test_without_nvdisasm_the_reason_is_given(monkeypatch, tmp_path):
