@@ -30,7 +30,7 @@ class LaunchConfig:
     # a magic add, NVFP4 x / s and 1 / s and the scale quotient amax / fp_max by a reciprocal and one
     # exact correction. The same bytes (proven on the CPU: tests/test_lean_quant_cpu.py; on the H200 by
     # tests/gpu: test_launch_configs_match_reference). Off by default: the tuner picks it per bucket (on
-    # the H200 it won the FP4 writers by 1.1-1.3x, docs/performance.md)
+    # the H200 it won the FP4 writers by 1.1-1.3x, docs/launch-knobs.md)
     lean_quant: bool = False
     # compiled for the format's default parity choices only: the kernel reads its `numerics` argument as
     # the defaults' constant, so the choices' branches fold away. The dispatcher binds such a module
@@ -47,7 +47,7 @@ class LaunchConfig:
     # the cos/sin rows loaded after the PDL wait, beside the row loads (the scan kernel always does).
     # Early (the default) they overlap the kernel before; late, a pass's row loads need not wait for
     # its positions first. On the H200 late never helped qkv and moved the KV writers by -7..+4% at
-    # T >= 2048 (docs/performance.md): the tuner picks it per bucket
+    # T >= 2048 (docs/launch-knobs.md): the tuner picks it per bucket
     cos_sin_late: bool = False
 
     def __post_init__(self):

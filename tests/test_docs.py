@@ -212,6 +212,8 @@ def check(env: dict, cmd: list[str], block: Block, tmp_path: Path) -> None:
         assert proc.returncode == 0 and "usage:" in proc.stdout, (
             f"{where}: {cmd[1]} --help\n{proc.stderr[-2000:]}"
         )
+        unknown = [opt for opt in cmd[2:] if opt.startswith("--") and opt.split("=")[0] not in proc.stdout]
+        assert not unknown, f"{where}: {cmd[1]} has no option {unknown}"
     elif cmd[:2] == ["pip", "install"]:
         for arg in cmd[2:]:
             if arg.endswith(".whl"):
