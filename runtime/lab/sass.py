@@ -21,8 +21,9 @@ asks for that choice, so `instructions` counts the format defaults' path and
 
 Per value: that count divided by the values one lane handles in one unit (passes_per_warp x D /
 LANES_PER_ROW), i.e. thread instructions per value; a warp issues count warp instructions per unit of
-passes_per_warp x 32 / LANES_PER_ROW rows. Not modelled: dual issue does not exist on these parts, but issue slots lost to dependencies
-and memory stalls are not counted (a lower bound on issue time, not an estimate of it).
+passes_per_warp x 32 / LANES_PER_ROW rows. Not modelled: dual issue does not exist on these parts,
+but issue slots lost to dependencies and memory stalls are not counted (a lower bound on issue time,
+not an estimate of it).
 
 The line info comes from a twin compiled with `--generate-line-info`, checked to disassemble to the
 same instructions as the module in the kernel cache (it does: line info changes no code).

@@ -74,12 +74,11 @@ DEFAULT_SPACE = (
     ]
     + [  # one-warp CTAs (a CTA's slot frees when its one warp ends): the qkv op's best at T = 8192 fell
         # with the CTA size, 274.7 / 270.2 / 267.6 / 264.7 us for 16 / 8 / 4 / 2 warps
-        # (results/experiments/tune-qkv-fp8-h64-h200-f876c85.json.gz); and two Q rows a warp held in
-        # 48 registers (40 resident warps instead of 32; 64 bytes of spill)
+        # (results/experiments/tune-qkv-fp8-h64-h200-f876c85.json.gz)
         LaunchConfig(1, u, True, True, streaming=cs, lean_quant=True, defaults_only=True)
         for u, cs in ((1, True), (2, True), (2, False), (4, True), (4, False))  # (w1_u1 unhinted: above)
     ]
-    + [
+    + [  # two Q rows a warp held in 48 registers: 40 resident warps instead of 32, 64 bytes of spill
         LaunchConfig(
             2, 2, True, True, streaming=True, min_ctas_per_sm=20, lean_quant=True, defaults_only=True
         )
