@@ -239,10 +239,11 @@ def load_cos_sin_into(
     rope_dim: int,
     non_coherent: bool,
 ):
-    """cos and sin of pairs [pair, pair + 4) at `position` (two 128-bit loads of float32)."""
-    row = position * Int64(rope_dim * 4)
-    load_vector_into(cos, cs_addr, row + Int64(pair) * 4, Float32, non_coherent)
-    load_vector_into(sin, cs_addr, row + Int64(pair + rope_dim // 2) * 4, Float32, non_coherent)
+    """cos and sin of pairs [pair, pair + 4) at `position` (two 128-bit loads of float32; sin's address
+    is cos's plus a constant, which the load takes as its immediate offset)."""
+    at = cs_addr + position * Int64(rope_dim * 4) + Int64(pair) * 4
+    load_vector_into(cos, at, Int64(0), Float32, non_coherent)
+    load_vector_into(sin, at, Int64(rope_dim // 2 * 4), Float32, non_coherent)
 
 
 # ---- bit tricks -------------------------------------------------------------------------------
