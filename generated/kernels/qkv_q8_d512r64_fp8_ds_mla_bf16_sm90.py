@@ -99,6 +99,8 @@ class Schedule(NamedTuple):
     pad_chunks: Int32  # pad passes per token
     units: Int32  # a unit: the passes_per_warp passes of one warp
     spacing: Int32  # spread_kv: KV CTA k is CTA k * spacing
+    heads_magic: Uint32  # row // H as kl.magic_quotient(row, heads_magic, heads_shift)
+    heads_shift: Int32
 
 
 class Kernel(KernelBase):
@@ -155,7 +157,8 @@ class Kernel(KernelBase):
         spacing = cutlass.max(grid // cutlass.max(kv_passes // kv_group, 1), 1)
         if const_expr(self.cfg.persistent):
             grid = cutlass.min(grid, max_ctas)  # warps then stride over the units
-        schedule = Schedule(q_heads, kv_passes, q_end, passes, pad_chunks, units, spacing)
+        heads_magic, heads_shift = kl.division_magic(cutlass.max(q_heads, 1))  # (once a launch, on the host)
+        schedule = Schedule(q_heads, kv_passes, q_end, passes, pad_chunks, units, spacing, heads_magic, heads_shift)
         args = Arguments(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, q_scale, errors, eps, block_size, n_write_heads, q_flags, numerics, checked, max_ctas)
         self.launch(self.kernel(args, schedule), grid, stream)
 
@@ -191,13 +194,13 @@ class Kernel(KernelBase):
         if p < schedule.kv_passes:
             self.kv_pass(p, lane, args)
         elif p < schedule.q_end:
-            self.q_pass(p - schedule.kv_passes, lane, args, schedule.q_heads)
+            self.q_pass(p - schedule.kv_passes, lane, args, schedule)
         elif p < schedule.passes:
             self.pad_pass(p - schedule.q_end, lane, args, schedule)
 
     @cute.jit
-    def q_pass(self, p: Int32, lane: Int32, args: Arguments, q_heads: Int32):
-        """Rows are the (token, head) pairs of q_in (q_heads = H), head-minor. A row whose position is out of
+    def q_pass(self, p: Int32, lane: Int32, args: Arguments, schedule: Schedule):
+        """Rows are the (token, head) pairs of q_in (schedule.q_heads = H), head-minor. A row whose position is out of
         range in checked mode is written as zeros. Every row's position load is issued first and its cos/sin
         loads next, both before the PDL wait; after the wait its q_in loads (with cos_sin_late, each followed
         by the row's cos/sin loads instead); then each row is finished."""
@@ -205,8 +208,8 @@ class Kernel(KernelBase):
         ids = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             r = (p + u) * Q_ROWS_PER_PASS + lane // Q_LANES_PER_ROW
-            t = Int32(cutlass.Uint32(r) // cutlass.Uint32(q_heads))  # r < T x H < 2^31: unsigned, 12 instructions fewer
-            h = r - t * q_heads
+            t = Int32(kl.magic_quotient(Uint32(r), schedule.heads_magic, schedule.heads_shift))  # r // H (r < T x H < 2^31)
+            h = r - t * schedule.q_heads
             valid = t < args.q_in.shape[0]
             position = Int64(0)
             if valid:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint8, Uint32
+from cutlass import Float32, Int32, Int64, Uint8, Uint32, Uint64
 
 VEC = 8  # 16-bit values per 128-bit access
 WARP = 32
@@ -244,6 +244,29 @@ def load_cos_sin_into(
     at = cs_addr + position * Int64(rope_dim * 4) + Int64(pair) * 4
     load_vector_into(cos, at, Int64(0), Float32, non_coherent)
     load_vector_into(sin, at, Int64(rope_dim // 2 * 4), Float32, non_coherent)
+
+
+# ---- division by a launch's constant ----------------------------------------------------------
+def _select_int32(condition, a: int, b: int):
+    return cutlass.select_(condition, Int32(a), Int32(b))
+
+
+def division_magic(d, u32=Uint32, u64=Uint64, select=_select_int32):
+    """(m, l) with n // d == (mul_hi(m, n) + n) >> l for all 0 <= n < 2^31, 1 <= d < 2^31: l = ceil(log2 d),
+    m = floor(2^32 (2^l - d) / d) + 1 < 2^32 (Granlund and Montgomery 1994, Theorem 4.2; Hacker's Delight
+    10-9). A launch's host code runs it on a run-time d; the CPU proof runs it on Python ints (u32 = u64
+    = int, select a conditional: tests/test_magic_division.py)."""
+    shift = 0
+    for k in range(31):
+        shift = shift + select(d > (1 << k), 1, 0)
+    m = (u64(1 << 32) * ((u64(1) << u64(shift)) - u64(d))) // u64(d) + u64(1)
+    return u32(m), shift
+
+
+def magic_quotient(n: Uint32, m: Uint32, shift: Int32) -> Uint32:
+    """n // d for 0 <= n < 2^31, (m, shift) = division_magic(d): 3 instructions where a division by a
+    run-time divisor takes about 17 (mul_hi(m, n) <= n, so the sum does not wrap)."""
+    return (cute.arch.mul_hi(n, m) + n) >> Uint32(shift)
 
 
 # ---- bit tricks -------------------------------------------------------------------------------
