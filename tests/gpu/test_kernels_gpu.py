@@ -82,7 +82,9 @@ MAIN = dict(head_dim=512, rope_dim=64, cache_format="fp8_ds_mla", dtype="bf16")
 
 @pytest.mark.parametrize("n", [0, 1, 7, 64, 513, 4096])
 @pytest.mark.parametrize(
-    "hp", [(8, 8), (8, 16), (16, 16), (16, 32), (8, 64), (64, 64), (64, 128), (128, 128)]
+    "hp",
+    [(8, 8), (8, 16), (16, 16), (16, 32), (8, 64), (64, 64), (64, 128), (128, 128)]
+    + [(1, 8), (3, 8), (5, 16), (12, 16), (24, 32), (96, 128), (100, 128)],  # row // H by a magic number
 )
 def test_token_counts_and_head_padding(n, hp):
     h, p = hp
