@@ -52,9 +52,11 @@ DEFAULT_SPACE = (
         for w in (2, 4, 8, 16)
     ]
     + [  # the same without the streaming hint: the compressed writers' scan kernel won by 1.1-1.5x
-        # (results/experiments/tune-comp-r4-h200-f876c85.json.gz)
-        LaunchConfig(w, 1, True, True, lean_quant=True, defaults_only=True)
+        # (results/experiments/tune-comp-r4-h200-f876c85.json.gz), and with two passes the qkv op at
+        # T = 8192: 263.4 against 267.2 us (results/experiments/tune-qkv-8192-ab-h200-3305275.json)
+        LaunchConfig(w, u, True, True, lean_quant=True, defaults_only=True)
         for w in (1, 2, 4, 8, 16)
+        for u in (1, 2)
     ]
     + [  # a KV row over 2 warps (plain KV writers of D = 512 only: Variant.row_splits), for decode sizes
         LaunchConfig(w, u, True, True, streaming=True, lean_quant=True, defaults_only=True, row_split=2)
@@ -71,17 +73,6 @@ DEFAULT_SPACE = (
     + [
         LaunchConfig(w, 1, True, True, streaming=True, lean_quant=True, defaults_only=True, cos_sin_late=True)
         for w in (2, 8, 16)
-    ]
-    + [  # one-warp CTAs (a CTA's slot frees when its one warp ends): the qkv op's best at T = 8192 fell
-        # with the CTA size, 274.7 / 270.2 / 267.6 / 264.7 us for 16 / 8 / 4 / 2 warps
-        # (results/experiments/tune-qkv-fp8-h64-h200-f876c85.json.gz)
-        LaunchConfig(1, u, True, True, streaming=cs, lean_quant=True, defaults_only=True)
-        for u, cs in ((1, True), (2, True), (2, False), (4, True), (4, False))  # (w1_u1 unhinted: above)
-    ]
-    + [  # two Q rows a warp held in 48 registers: 40 resident warps instead of 32, 64 bytes of spill
-        LaunchConfig(
-            2, 2, True, True, streaming=True, min_ctas_per_sm=20, lean_quant=True, defaults_only=True
-        )
     ]
 )
 
