@@ -115,10 +115,6 @@ class Kernel(KernelBase):
         self.row_lanes = LANES_PER_ROW * config.row_split  # a KV row's lanes, over row_split warps: vector j -> lane j % row_lanes
         self.slots = SLOTS // config.row_split  # 128-bit vectors per lane per KV row
         self.round_rows = config.passes_per_warp * ROWS_PER_PASS  # KV rows one unit takes at once
-        # the Q rows of all of a CTA's warps staged together (runs of warps x u heads' pieces a chunk); not for a
-        # persistent grid, whose warps do not take their passes in step (a CTA-wide barrier)
-        group = config.warps_per_cta * config.passes_per_warp
-        self.cta_stage = config.passes_per_warp > 1 and config.warps_per_cta > 1 and not config.persistent and group <= 16
 
     @cute.jit
     def __call__(
@@ -144,8 +140,7 @@ class Kernel(KernelBase):
         per_warp = self.cfg.passes_per_warp
         warps = self.cfg.warps_per_cta
         kv_passes = (slot_mapping.shape[0] + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
-        # a warp (spread, or a CTA-wide Q stage: a CTA) never mixes KV and Q
-        kv_group = per_warp * warps if const_expr(self.cfg.spread_kv or self.cta_stage) else per_warp
+        kv_group = per_warp * warps if const_expr(self.cfg.spread_kv) else per_warp  # a warp (spread: a CTA) never mixes KV and Q
         kv_passes = (kv_passes + (kv_group - 1)) // kv_group * kv_group
         kv_passes = kv_passes * self.cfg.row_split  # row_split warps take their parts of the same rows
         q_heads = q_in.shape[1]
@@ -166,8 +161,8 @@ class Kernel(KernelBase):
 
     @cute.kernel
     def kernel(self, args: Arguments, schedule: Schedule):
-        # more than one Q row a warp: rows are staged in shared memory (store_rows_interleaved)
-        stage = self.stage_buffer(ROW_VECTORS) if const_expr(self.cfg.passes_per_warp > 1) else None
+        # more than one Q row a warp: each warp stages its rows in shared memory (store_rows_interleaved)
+        stage = self.stage_for_this_warp(ROW_VECTORS * 16) if const_expr(self.cfg.passes_per_warp > 1) else None
         self.run_units(args, schedule, False, stage)
 
     @cute.jit
@@ -269,19 +264,11 @@ class Kernel(KernelBase):
             for u in range_constexpr(self.cfg.passes_per_warp):
                 self.store_q_row(rows[u], *loaded[u][:3], sub, args)
         else:
-            t, h, valid = loaded[0][:3]
-            chunk_stride = Int64(args.q_out.shape[1]) * (16 * 1)
-            if const_expr(self.cta_stage) and schedule.q_heads % (self.cfg.warps_per_cta * self.cfg.passes_per_warp) == 0:
-                # the CTA's rows are adjacent heads of one token (its passes start at a multiple of warps x u: the
-                # KV passes are rounded to that), so every warp of the CTA is here, all valid or none
-                if valid:
-                    h0 = h - cute.arch.warp_idx() * self.cfg.passes_per_warp
-                    dst = kl.base_address(args.q_out) + (Int64(t) * args.q_out.stride[0] + Int64(h0) * 16) * 1
-                    self.store_rows_interleaved(stage, lane, rows, dst, chunk_stride, self.cfg.streaming, True)
-            elif schedule.q_heads % self.cfg.passes_per_warp == 0:  # the warp's rows are adjacent heads h0 .. of one token
+            if schedule.q_heads % self.cfg.passes_per_warp == 0:  # the warp's rows are adjacent heads h0 .. of one token
+                t, h, valid = loaded[0][:3]
                 if valid:
                     dst = kl.base_address(args.q_out) + (Int64(t) * args.q_out.stride[0] + Int64(h) * 16) * 1
-                    self.store_rows_interleaved(stage, lane, rows, dst, chunk_stride, self.cfg.streaming, False)
+                    self.store_rows_interleaved(stage, lane, rows, dst, Int64(args.q_out.shape[1]) * (16 * 1), self.cfg.streaming)
             else:
                 for u in range_constexpr(self.cfg.passes_per_warp):
                     self.store_q_row(rows[u], *loaded[u][:3], sub, args)

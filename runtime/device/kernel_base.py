@@ -115,81 +115,52 @@ class KernelBase:
 
     # ---- the chunk-interleaved Q layout through shared memory (q_rows.jinja, passes_per_warp > 1) ----
     @staticmethod
-    def stage_row_bytes(row_bytes: int, rows: int, vector_bytes: int = 16) -> int:
-        """Bytes from one staged row to the next, for a stage of `rows` rows read back in `vector_bytes`
-        pieces: the row and 128 / min(rows, 64 / vector_bytes) bytes. An access phase (8 lanes of 16-byte
-        loads, 16 of 8-byte) then reads 64 / vector_bytes consecutive rows' two halves of one chunk, or all
-        rows of two or more chunks, each bank once; the row-wise writes are contiguous."""
-        return row_bytes + 128 // min(rows, 64 // vector_bytes)
-
-    def warp_stage_bytes(self, row_vectors: int) -> int:
-        """One warp's part of the staging buffer: passes_per_warp rows of `row_vectors` 16-byte vectors,
-        spaced for the warp-wise stage (the widest spacing: the CTA-wide stage of the same rows fits, and an
-        FP8 row's 8-byte pieces take half)."""
-        rows = self.cfg.passes_per_warp
-        return rows * self.stage_row_bytes(row_vectors * 16, rows)
+    def stage_row_bytes(row_bytes: int, rows: int) -> int:
+        """Bytes from one staged row to the next: the row and 128 / rows bytes, so that neither the row-wise
+        writes nor the chunk-wise reads of store_rows_interleaved meet a bank twice in one access phase."""
+        return row_bytes + 128 // rows
 
     @cute.jit
-    def stage_buffer(self, row_vectors: int):
-        """The CTA's staging buffer (a shared-memory address): warp_stage_bytes a warp."""
-        return (
-            SmemAllocator()
-            .allocate_array(
-                cutlass.Uint8, self.cfg.warps_per_cta * self.warp_stage_bytes(row_vectors), byte_alignment=16
-            )
-            .toint()
+    def stage_for_this_warp(self, row_bytes: int):
+        """This warp's part of the CTA's staging buffer (a shared-memory address): passes_per_warp rows."""
+        rows = self.cfg.passes_per_warp
+        part = rows * self.stage_row_bytes(row_bytes, rows)
+        buffer = SmemAllocator().allocate_array(
+            cutlass.Uint8, part * self.cfg.warps_per_cta, byte_alignment=16
         )
+        tidx, _, _ = cute.arch.thread_idx()
+        return buffer.toint() + tidx // 32 * part
 
     @cute.jit
     def store_rows_interleaved(
-        self,
-        stage: Int32,
-        lane: Int32,
-        rows,
-        dst: Int64,
-        chunk_stride: Int64,
-        streaming,
-        cta_wide: cutlass.Constexpr,
+        self, stage: Int32, lane: Int32, rows, dst: Int64, chunk_stride: Int64, streaming
     ):
-        """Store G rows of adjacent heads h0 .. h0 + G - 1 (h0 % G == 0) of one token in the chunk-interleaved
-        layout, every store instruction writing the G heads' pieces of 16 / G chunks, each as one run
-        (G x 32 bytes for bf16). `rows` (u = len(rows)) are this warp's: with `cta_wide`, G = u x warps per
-        CTA, every warp of the CTA calls this and holds heads h0 + w u .. (w: its warp in the CTA);
-        otherwise G = u. rows[k][s] is the warp's head k's vector j = 32 s + lane (16 or 8 bytes); `dst` is
-        head h0's chunk 0; `chunk_stride` the bytes from a chunk to the next; `stage` the CTA's buffer. The
-        rows go to the stage as they are, and come back chunk-wise: lane L of the instruction i of the G S
-        (S = len(rows[0])) stores half L % 2 of chunk c's piece of head h0 + L // 2 % G; the warp w stores
-        instructions w u S .. of them."""
+        """Store u = len(rows) rows of adjacent heads h0 .. h0 + u - 1 (h0 % u == 0) of one token in the
+        chunk-interleaved layout, every store instruction writing u heads' pieces of a chunk as one run
+        (u x 32 bytes for bf16). rows[k][s] is head h0 + k's vector j = 32 s + lane (16 or 8 bytes); `dst`
+        is head h0's chunk 0; `chunk_stride` the bytes from a chunk to the next. Each row goes to this
+        warp's `stage` as it is, and comes back chunk-wise: lane L stores half L % 2 of its chunk's piece
+        of head h0 + L // 2 % u."""
         u = len(rows)
-        slots = len(rows[0])
         vector_bytes = cute.size(rows[0][0]) * rows[0][0].element_type.width // 8
         words = vector_bytes // 4
-        warp = cute.arch.warp_idx()
-        group = u * self.cfg.warps_per_cta if const_expr(cta_wide) else u
-        row_stride = self.stage_row_bytes(slots * 32 * vector_bytes, group, vector_bytes)
-        first = warp * u if const_expr(cta_wide) else 0  # this warp's first row in the group
-        if const_expr(not cta_wide):
-            stage = stage + warp * self.warp_stage_bytes(slots * 32)  # the warp's part (stage_buffer)
+        row_stride = self.stage_row_bytes(len(rows[0]) * 32 * vector_bytes, u)
         for k in range_constexpr(u):
-            for s in range_constexpr(slots):
+            for s in range_constexpr(len(rows[0])):
                 _stage_store(
-                    stage + (first + k) * row_stride + (s * 32 + lane) * vector_bytes,
+                    stage + k * row_stride + (s * 32 + lane) * vector_bytes,
                     cute.recast_tensor(rows[k][s], Uint32),
                     words,
                 )
-        if const_expr(cta_wide):
-            cute.arch.barrier()
-        else:
-            cute.arch.sync_warp()
+        cute.arch.sync_warp()
         half = lane % 2
-        k = lane // 2 % group
-        for i in range_constexpr(u * slots):
-            c = (first * slots + i) * (16 // group) + lane // (2 * group)  # 16 / G chunks per instruction
+        k = lane // 2 % u
+        for i in range_constexpr(u * len(rows[0])):
+            c = i * (16 // u) + lane // (2 * u)  # 16 / u chunks per instruction
             piece = _stage_load(stage + k * row_stride + (2 * c + half) * vector_bytes, words)
             offset = Int64(c) * chunk_stride + Int64((2 * k + half) * vector_bytes)
             kl.store_vector(piece, dst, offset, Uint32, vector_bytes, streaming)
-        if const_expr(not cta_wide):
-            cute.arch.sync_warp()  # (the warp's next rows overwrite the stage; a CTA-wide stage is used once)
+        cute.arch.sync_warp()  # (the warp's next rows overwrite the stage)
 
 
 def _stage_view(address: Int32, n: int) -> cute.Tensor:

@@ -61,13 +61,12 @@ def test_interleaved_q_layout(fmt, q8, hp):
 
 
 INTERLEAVED_CONFIGS = [
-    "w2_u2_pdl1_nc1_lq_d",  # CTA-wide stage of 4 heads
-    "w4_u2_pdl1_nc1_cs",  # ... of 8 heads (H = 16, 64), warp-wise for H = 6
-    "w8_u2_pdl1_nc1",  # ... of 16 heads (H = 16, 64), warp-wise for H = 6 and 8
-    "w16_u2_pdl1_nc1",  # 32 heads a CTA: warp-wise stages
+    "w2_u2_pdl1_nc1_lq_d",  # the H200 database's pick at T >= 2048
+    "w4_u2_pdl1_nc1_cs",
+    "w16_u2_pdl1_nc1",
     "w8_u1_pdl0_nc0_c4",  # one row a warp: no stage
-    "w2_u4_pdl1_nc1_spread",  # CTA-wide stage of 8 heads among spread KV CTAs
-    "w4_u4_pdl1_nc1_c4_cs",  # persistent: warp-wise stages
+    "w2_u4_pdl1_nc1_spread",
+    "w4_u4_pdl1_nc1_c4_cs",  # persistent
 ]
 
 
@@ -75,9 +74,8 @@ INTERLEAVED_CONFIGS = [
 @pytest.mark.parametrize("q8", [False, True])
 def test_interleaved_q_rows_under_other_launch_configs(key, q8):
     """Chunk-interleaved Q rows across CTA sizes, passes per warp, persistent grids and KV spread. With
-    u = 2 or 4 passes a warp, rows go through shared memory: all of a CTA's rows together when H is a
-    multiple of warps x u (<= 16) and the grid is not persistent, each warp's own when H is a multiple
-    of u, and straight to q_out otherwise (6 heads with 4 passes)."""
+    2 or 4 passes a warp, rows go through shared memory when H is a multiple of them (8, 16, 64: u adjacent
+    heads of one token) and straight to q_out when not (6 with 4 passes)."""
     for n, h, p in ((1, 8, 64), (513, 6, 64), (77, 16, 64), (200, 64, 128)):
         check(
             Case(n=n, h=h, p=p, m=n - n // 3, negative_every=5, q_layout="interleaved", q_fp8=q8, seed=n + h),
