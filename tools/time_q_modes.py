@@ -34,8 +34,10 @@ def main() -> None:
     from attn_prologue.lab import bench
     from attn_prologue.lab.timing import graph_time_us
 
-    sets = 20
-    shared = bench.input_sets(bench.Shape(n=a.n, cache_format=a.format), sets)
+    full = bench.Shape(n=a.n, cache_format=a.format)
+    sets = bench.sets_for_cold_l2(full)  # the bench's input sets and calls per graph (run_shape)
+    calls = max(sets, 20)
+    shared = bench.input_sets(full, sets)
     fns = {}
     for norm, rope in MODES:
         shape = bench.Shape(n=a.n, cache_format=a.format, apply_q_norm=norm, apply_q_rope=rope)
@@ -45,7 +47,7 @@ def main() -> None:
     rounds = {k: [] for k in fns}
     for r in range(a.rounds):
         for k in list(fns) if r % 2 == 0 else list(fns)[::-1]:
-            rounds[k].append(graph_time_us(fns[k], replays=a.replays, calls_per_graph=sets)["median_us"])
+            rounds[k].append(graph_time_us(fns[k], replays=a.replays, calls_per_graph=calls)["median_us"])
     cases = {k: {"rounds_us": v, "median_us": statistics.median(v)} for k, v in rounds.items()}
     for k, c in cases.items():
         print(
