@@ -10,12 +10,15 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from attn_prologue.codegen.plan import make_plan
 from attn_prologue.jit import artifacts
 from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.lab import copy_kernel, sass, sass_reader, timing
 from attn_prologue.launch import LaunchConfig
 from attn_prologue.variants import Op, parse_name
+
+from .support.interleaved import interleaved_copy
 
 NVFP4 = "kv_d512r64_nvfp4_v41_bf16"
 
@@ -155,7 +158,10 @@ def test_copy_kernels_compile_to_their_vectors_per_thread(target):
     """Each SM copy kind moves its vectors with one 128-bit read-only load and one 128-bit store each,
     in CTAs of its threads; a persistent kind loops over chunks (a backward branch), the others do not."""
     assert set(timing.COPY_KINDS) == set(copy_kernel.COPY_KINDS) | {"memcpy"}
-    for kind in [*copy_kernel.COPY_KINDS.values(), copy_kernel.CopyKind.from_key("t64_v4_row_c8")]:
+    extra = [
+        copy_kernel.CopyKind.from_key(k) for k in ("t64_v4_row_c8", "t64_v4_row_qi", "t128_v8_row_qi_c4")
+    ]
+    for kind in [*copy_kernel.COPY_KINDS.values(), *extra]:
         with tempfile.TemporaryDirectory() as dump:
             ptx = copy_kernel.compile_copy(target, kind, f"--keep-ptx --dump-dir {dump}").artifacts.PTX
         assert re.search(rf"^\.target {target}$", ptx, re.M)
@@ -171,12 +177,40 @@ def test_copy_kernels_compile_to_their_vectors_per_thread(target):
 
 
 def test_copy_kind_keys_round_trip_and_refuse_typos():
-    for key in ("t256_v1", "t64_v4_row", "t32_v2_row_c16", "t1024_v8_c1"):
+    for key in (
+        "t256_v1",
+        "t64_v4_row",
+        "t32_v2_row_c16",
+        "t1024_v8_c1",
+        "t64_v4_row_qi",
+        "t32_v2_row_qi_c8",
+    ):
         assert copy_kernel.CopyKind.from_key(key).key == key
     assert copy_kernel.CopyKind.from_key("sm1") == copy_kernel.CopyKind(256, 1)
-    for bad in ("t64_v3", "t48_v1", "t64_v4_rows", "sm2"):
-        with pytest.raises(ValueError, match="copy kind|must be"):
+    assert copy_kernel.CopyKind.from_key("t64_v4_row_qi").qi
+    for bad in ("t64_v3", "t48_v1", "t64_v4_rows", "sm2", "t64_v4_qi", "t64_v1_row_qi", "t64_v4_qi_row"):
+        with pytest.raises(ValueError, match="copy kind|must be|needs whole rows"):
             copy_kernel.CopyKind.from_key(bad)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_the_interleaved_copy_moves_every_vector_once_in_runs_of_its_rows(rows):
+    """qi_indices over two tokens' warps, stores and lanes: every src vector read once, every dst
+    vector written once, dst = the layout of src, and each store instruction writes runs of rows x 32
+    bytes (16 / rows of them), as KernelBase.store_rows_interleaved does."""
+    n = 2 * copy_kernel.QI_TOKEN_VECTORS
+    warps = n // (rows * copy_kernel.QI_ROW_VECTORS)
+    warp, store, lane = torch.meshgrid(
+        torch.arange(warps), torch.arange(2 * rows), torch.arange(32), indexing="ij"
+    )
+    src, dst = copy_kernel.qi_indices(warp, store, lane, rows)
+    assert torch.equal(src.flatten().sort().values, torch.arange(n))
+    assert torch.equal(dst.flatten().sort().values, torch.arange(n))
+    moved = torch.empty(n, dtype=torch.long)
+    moved[dst.flatten()] = src.flatten()  # dst[j] = src[moved[j]]
+    assert torch.equal(moved, interleaved_copy(torch.arange(n), chunk=2))
+    runs = dst.sort(dim=-1).values.view(warps, 2 * rows, 32 // (2 * rows), 2 * rows)
+    assert bool((runs.diff(dim=-1) == 1).all()) and bool((runs[..., 0] % (2 * rows) == 0).all())
 
 
 @pytest.mark.parametrize("variant", [f"{NVFP4}_sm90", f"{NVFP4}_sm120", "kv_d128r64_mxfp4_bf16_sm90"])

@@ -4,12 +4,15 @@ replay, cold L2) and, under Nsight Compute, the kernels' counters.
   python tools/profile_shape.py --n 8192 --h 16 --p 16 [--config KEY] [--json out.json]
   python tools/profile_shape.py --n 8192 --h 64 --p 64 --op-only --config KEY --config KEY2 \
       --copy-kinds sm1,sm,t64_v4_row,t64_v2_row_c8 --rounds 3 --json out.json
+  python tools/profile_shape.py --n 8192 --h 64 --p 64 --op-only --q-layouts head_major,interleaved \
+      --config KEY --copy-kinds sm1,t64_v4_row,t64_v4_row_qi --rounds 3 --json out.json
   ncu --clock-control none --profile-from-start off --metrics ... python tools/profile_shape.py ... --ncu
 
 Ablations (same inputs, same run): the op; the op with every slot -1 (KV rows loaded, nothing
 written to the cache); the KV-only op (kv_rope_insert) on the same rows (--op-only: the op alone);
 the copies of the op's bytes, one per copy kind (copy_kernel.CopyKind: the bench's yardsticks and
-any other structure, e.g. a kernel's Q pass's) and cudaMemcpy; with P > H and pads written, torch's
+any other structure, e.g. a kernel's Q pass's, or its stores in the interleaved Q layout: `_qi`) and
+cudaMemcpy; with --q-layouts head_major,interleaved, the op in each Q layout; with P > H and pads written, torch's
 zero fill of the pad heads alone (write-only bandwidth). --rounds R times every case R times over,
 round-robin, and reports each case's median over the rounds (slow drifts of the machine fall on
 every case alike). With --ncu, each is launched once between cudaProfilerStart/Stop instead of timed.
@@ -18,6 +21,7 @@ every case alike). With --ncu, each is launched once between cudaProfilerStart/S
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -35,6 +39,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--config", action="append", help="launch config key(s); default: the dispatcher's choice"
+    )
+    ap.add_argument(
+        "--q-layouts",
+        default="head_major",
+        help="comma-separated Q layouts the op is timed in (head_major, interleaved), each with every config",
     )
     ap.add_argument("--op-only", action="store_true", help="no slots -1 and KV-only ablations")
     ap.add_argument(
@@ -54,6 +63,7 @@ def main() -> None:
     from attn_prologue.lab import bench
     from attn_prologue.lab.timing import copy_fns, graph_time_us
     from attn_prologue.launch import LaunchConfig
+    from attn_prologue.variants import QLayout
 
     shape = bench.Shape(
         n=a.n, h=a.h, p=a.p, head_dim=a.head_dim, cache_format=a.format, zero_once=a.zero_once
@@ -64,9 +74,14 @@ def main() -> None:
     skip = [dict(s, slot_mapping=torch.full_like(s["slot_mapping"], -1)) for s in sets]
     configs = [LaunchConfig.from_key(k) for k in a.config] if a.config else [None]
     cases = {}
+    layouts = [QLayout(x).value for x in a.q_layouts.split(",")]  # (a typo: ValueError, before any timing)
     for cfg in configs:
         tag = cfg.key if cfg else "dispatch"
-        cases[f"op[{tag}]"] = bench.op_fns(shape, sets, config=cfg)
+        for layout in layouts:  # the same inputs: the layout changes only where q_out's bytes go
+            named = tag if layout == "head_major" else f"{tag}, {layout}"
+            cases[f"op[{named}]"] = bench.op_fns(
+                dataclasses.replace(shape, q_layout=layout), sets, config=cfg
+            )
         if not a.op_only:
             cases[f"op, slots -1[{tag}]"] = bench.op_fns(shape, skip, config=cfg)
             cases[f"kv only[{tag}]"] = bench.op_fns(kv_shape, sets, config=cfg)
