@@ -235,6 +235,32 @@ def test_target_checker_on_a_synthetic_bench_file():
     }
 
 
+def test_mode_ratios_take_the_full_op_timed_around_the_mode():
+    """A mode's NO_SLOWER / INTERLEAVED_COST ratio is to the full op timed just before and after it
+    (bench.full_op, `extra.full_op_us`); a document without that pairs it with the full op's row."""
+
+    def result(us, paired=None, **modes):
+        shape = dataclasses.asdict(bench.Shape(n=1, **modes))
+        extra = {"full_op_us": paired} if paired else {}
+        return {"shape": shape, "op": {"median_us": us}, "copy": {"median_us": 1.0}, "extra": extra}
+
+    full_row = result(1.00)
+    paired = [result(1.05, [1.04, 1.06], apply_q_norm=False), result(1.05, apply_q_rope=False)]
+    ratios = {
+        r["shape"]: r["measured"]
+        for r in targets.check_targets({"results": [full_row, *paired]})
+        if "Q step" in r["target"]
+    }
+    assert ratios == {
+        "qkv fp8_ds_mla D=512 T=1 H=64 P=64 no-q-norm": pytest.approx(1.0),  # 1.05 / mean(1.04, 1.06)
+        "qkv fp8_ds_mla D=512 T=1 H=64 P=64 no-q-rope": pytest.approx(1.05),  # against the full op's row
+    }
+    assert bench.full_op(bench.Shape(n=8, q_layout="interleaved", cache_format="mxfp8")) == bench.Shape(
+        n=8, cache_format="mxfp8"
+    )
+    assert bench.full_op(bench.Shape(n=8)) is None and bench.full_op(bench.Shape(n=8, op="kv")) is None
+
+
 def test_the_targets_command_on_the_committed_bench(capsys):
     """The checker reads results/bench-h200-targets.json as results/README.md states: 36 met (17 of
     them the speedups over torch.compile), none missed; the qkv op at T = 32768 (64 heads) at 0.972 of

@@ -270,18 +270,45 @@ def _compiled(fn):
     return _COMPILED[fn]
 
 
+def full_op(shape: Shape) -> Shape | None:
+    """For a qkv shape with a Q step skipped or the interleaved layout, the full op (both Q steps,
+    head-major) of its format and size, which run_shape times just before and just after it on the same
+    input sets: the targets compare the two (targets.NO_SLOWER, INTERLEAVED_COST). Against the full op's
+    own row, timed shapes earlier on other buffers, a ratio would carry whatever drifted in between.
+    None for the full op itself and for the KV-only ops."""
+    if shape.op != "qkv" or (shape.apply_q_norm, shape.apply_q_rope, shape.q_layout) == (
+        True,
+        True,
+        "head_major",
+    ):
+        return None
+    return replace(shape, apply_q_norm=True, apply_q_rope=True, q_layout="head_major")
+
+
+def _forced_config(shape: Shape):
+    """The config a shape asks for (lean_quant, defaults_only, row_split), or None: the dispatcher's."""
+    return shape.launch_config() if shape.lean_quant or shape.defaults_only or shape.row_split else None
+
+
 def run_shape(
     shape: Shape, *, baselines: bool = True, replays: int = 30, config=None, count_sass: bool = False
 ) -> Result:
     """One shape's timings against the copy; count_sass: also the instructions per value of its module."""
     nsets = sets_for_cold_l2(shape)
     sets = input_sets(shape, nsets)
-    config = config or (
-        shape.launch_config() if shape.lean_quant or shape.defaults_only or shape.row_split else None
-    )
-    op = graph_time_us(op_fns(shape, sets, config=config), replays=replays, calls_per_graph=max(nsets, 20))
-    copy = copy_time_us(shape.min_bytes(), nsets, replays, max(nsets, 20))
+    config = config or _forced_config(shape)
+    calls = max(nsets, 20)
+    full = full_op(shape)
+    if full is not None:  # the full op just before and after the mode, on the same inputs (see full_op)
+        full_fns = op_fns(full, sets, config=_forced_config(full))
+        before = graph_time_us(full_fns, replays=replays, calls_per_graph=calls)["median_us"]
+    op = graph_time_us(op_fns(shape, sets, config=config), replays=replays, calls_per_graph=calls)
+    if full is not None:
+        after = graph_time_us(full_fns, replays=replays, calls_per_graph=calls)["median_us"]
+    copy = copy_time_us(shape.min_bytes(), nsets, replays, calls)
     res = Result(asdict(shape), shape.min_bytes(), op, copy)
+    if full is not None:
+        res.extra["full_op_us"] = [before, after]
     if count_sass:
         res.sass = sass.of_shape(shape, config)
     if baselines:

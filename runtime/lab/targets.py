@@ -253,7 +253,8 @@ def summary(rows: list[dict]) -> str:
 
 def _mode_pairs(results: list[dict]) -> list[dict]:
     """NO_SLOWER and INTERLEAVED_COST rows: each qkv mode result against the full op (head-major,
-    both Q steps) of the same format and T."""
+    both Q steps) of the same format and T: the mean of the full op timed just before and after it
+    (bench.full_op, `extra.full_op_us`), or in documents written before that existed, the full op's row."""
     rows = []
     full = {}
     for r in results:
@@ -262,7 +263,8 @@ def _mode_pairs(results: list[dict]) -> list[dict]:
             full[(s["cache_format"], s["n"], s["h"], s["p"])] = r["op"]["median_us"]
     for r in results:
         s = r["shape"]
-        base = full.get((s["cache_format"], s["n"], s["h"], s["p"]))
+        paired = r.get("extra", {}).get("full_op_us")
+        base = sum(paired) / len(paired) if paired else full.get((s["cache_format"], s["n"], s["h"], s["p"]))
         norm, rope, layout = _modes_of(s)
         if s["op"] != "qkv" or base is None or (norm, rope, layout) == (True, True, "head_major"):
             continue
