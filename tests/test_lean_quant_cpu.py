@@ -31,8 +31,15 @@ def patterns(start: int, count: int) -> torch.Tensor:
     return torch.arange(start, start + count, dtype=torch.int64).to(torch.int32).view(torch.float32)
 
 
+def chunked(fn, x: torch.Tensor, size: int = 1 << 18) -> torch.Tensor:
+    """fn(x) for an elementwise fn, computed in pieces that stay in the CPU's caches: the numerics twins
+    make tens of passes over their operands, and on 2 cores 2^18 elements at a time ran about 6x
+    faster than 2^24 at once."""
+    return torch.cat([fn(part) for part in x.split(size)])
+
+
 def assert_same_codes(y: torch.Tensor) -> None:
-    want, got = nx.e2m1_codes(y), nx.e2m1_codes_by_magic(y)
+    want, got = chunked(nx.e2m1_codes, y), chunked(nx.e2m1_codes_by_magic, y)
     bad = (want != got).nonzero()
     assert bad.numel() == 0, (
         f"{bad.numel()} mismatches, e.g. {y[bad[0]].item()!r}: {want[bad[0]]} vs {got[bad[0]]}"
@@ -89,7 +96,9 @@ def test_quotient_by_reciprocal_is_correctly_rounded_for_every_significand(m):
     x = patterns(127 << 23, 1 << 23)
     x = torch.cat((x, -x))
     for s in (torch.tensor(m), torch.tensor(m * 2.0**-9)):
-        got = nx.quotient_by_reciprocal(x, s.expand_as(x), (1.0 / s).expand_as(x))
+        got = chunked(
+            lambda part, s=s: nx.quotient_by_reciprocal(part, s.expand_as(part), (1.0 / s).expand_as(part)), x
+        )
         assert torch.equal(got.view(torch.int32), (x / s).view(torch.int32)), float(s)
 
 
@@ -117,7 +126,8 @@ def test_scale_quotient_is_the_ieee_quotient_from_tiny_to_infinite(c):
     x = patterns(127 << 23, 1 << 23)
     amax = torch.cat([x * 2.0**k for k in (-117, -40, -13, 0, 9, 60, 126)])
     amax = torch.cat((amax, torch.tensor([0.0, 3.4028234663852886e38, float("inf")])))
-    assert torch.equal(nx.quotient_by_constant(amax, c).view(torch.int32), (amax / c).view(torch.int32))
+    got = chunked(lambda part: nx.quotient_by_constant(part, c), amax)
+    assert torch.equal(got.view(torch.int32), (amax / c).view(torch.int32))
 
 
 def test_the_unsaturated_magic_rounding_is_used_only_where_the_kernel_clamped_first():

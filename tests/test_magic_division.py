@@ -27,17 +27,21 @@ def magic(d: int) -> tuple[int, int]:
     return kl.division_magic(d, u32=int, u64=int, select=lambda c, a, b: a if c else b)
 
 
-def quotients(n: torch.Tensor, m: int, shift: int) -> torch.Tensor:
-    """magic_quotient's mul.hi.u32, add and shift, in int64 (m n < 2^63)."""
+def quotients(n: torch.Tensor, m, shift) -> torch.Tensor:
+    """magic_quotient's mul.hi.u32, add and shift, in int64 (m n < 2^63); m and shift ints, or
+    tensors broadcasting against n."""
     return (((n * m) >> 32) + n) >> shift
 
 
-def dividends(d: int, rng: random.Random) -> torch.Tensor:
-    ks = [1, 2, 3, (LIMIT - 1) // d, (LIMIT - 1) // d - 1]
-    ks += [rng.randrange(1, LIMIT // d + 1) for _ in range(32)]
-    near = [k * d + e for k in ks for e in (-1, 0, 1)] + [rng.randrange(LIMIT) for _ in range(32)]
-    n = torch.cat((torch.tensor(near, dtype=torch.int64), EDGES))
-    return n[(n >= 0) & (n < LIMIT)]
+def dividends(d: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Per divisor of the column d: the dividends k d - 1, k d, k d + 1 for k = 1, 2, 3, the last two
+    quotients below 2^31 and 32 random k; 32 random dividends; EDGES. Those outside [0, 2^31) are 0."""
+    top = (LIMIT - 1) // d
+    randoms = (torch.rand(len(d), 32, generator=g, dtype=torch.float64) * (LIMIT // d)).long() + 1
+    ks = torch.cat((torch.tensor([1, 2, 3]).expand(len(d), 3), top, top - 1, randoms), 1)
+    near = (ks[:, :, None] * d[:, :, None] + torch.tensor([-1, 0, 1])).flatten(1)
+    n = torch.cat((near, torch.randint(0, LIMIT, (len(d), 32), generator=g), EDGES.expand(len(d), -1)), 1)
+    return torch.where((n >= 0) & (n < LIMIT), n, 0)
 
 
 def test_the_magic_numbers_fit_and_the_shift_is_the_ceiling_log():
@@ -49,14 +53,15 @@ def test_the_magic_numbers_fit_and_the_shift_is_the_ceiling_log():
 
 
 def test_every_small_divisor_and_larger_ones_where_quotients_change():
-    rng = random.Random(26)
+    rng, g = random.Random(26), torch.Generator().manual_seed(26)
     divisors = [*range(1, 1 << 16), *(rng.randrange(1 << 16, LIMIT) for _ in range(2000))]
     divisors += [(1 << k) + e for k in range(16, 31) for e in (-1, 0, 1)] + [LIMIT - 1]
-    for d in divisors:
-        n = dividends(d, rng)
-        m, shift = magic(d)
+    for batch in torch.tensor(divisors).split(128):  # 128 divisors a time: about 1M dividends
+        d = batch[:, None]
+        n = dividends(d, g)
+        m, shift = torch.tensor([magic(int(x)) for x in batch]).T[:, :, None]
         bad = (quotients(n, m, shift) != n // d).nonzero()
-        assert bad.numel() == 0, f"d={d}: n={n[bad[0]].item()}"
+        assert bad.numel() == 0, f"d={batch[bad[0, 0]].item()}: n={n[bad[0, 0], bad[0, 1]].item()}"
 
 
 @pytest.mark.exhaustive
