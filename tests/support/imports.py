@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +42,8 @@ def _resolve(module: str, is_package: bool, level: int, name: str | None) -> str
     return ".".join(base + ([name] if name else []))
 
 
-def edges() -> list[Edge]:
+@functools.cache  # ~400 generated modules to parse: once a session, not once a test
+def edges() -> tuple[Edge, ...]:
     mods = modules()
     out = []
     for module, path in mods.items():
@@ -62,7 +64,7 @@ def edges() -> list[Edge]:
                     t = t.rsplit(".", 1)[0]
                 if t in mods and t != module and t.startswith("attn_prologue"):
                     out.append(Edge(module, t, id(node) in top))
-    return out
+    return tuple(out)
 
 
 def floors(graph: dict[str, set[str]]) -> dict[str, int]:
