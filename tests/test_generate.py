@@ -5,6 +5,7 @@ here compiles a kernel, and the real generated/ is never written."""
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import os
 import re
@@ -202,8 +203,9 @@ COMPILER_READS = {"Kernel", "fake_arguments"}  # all that jit.compiler takes fro
 MAX_DEVICE_PARAMETERS = 8  # per device function, self excluded; per-launch values travel in bundles
 
 
-def _modules() -> list[tuple[str, ast.Module]]:
-    return [(n, ast.parse((GENERATED / "kernels" / f"{n}.py").read_text())) for n in registry.VARIANTS]
+@functools.cache  # parsed once a session (read only by the tests that walk them)
+def _modules() -> tuple[tuple[str, ast.Module], ...]:
+    return tuple((n, ast.parse((GENERATED / "kernels" / f"{n}.py").read_text())) for n in registry.VARIANTS)
 
 
 def test_compiler_reads_only_kernel_and_fake_arguments():
