@@ -117,6 +117,20 @@ def test_qkv_counts_q_rows_and_kv_rows_apart(cache):
         counted(cache, f"{NVFP4}_sm90", row="q")
 
 
+def test_a_staged_interleaved_q_unit_counts_the_stage_not_the_straight_stores():
+    """An interleaved module with two Q rows a warp stages them (4 vectors a lane to shared memory and
+    back) and keeps straight stores for odd head counts behind a warp-uniform branch: its Q count holds
+    head-major's global accesses plus those 8, not the straight path's 4 extra global stores. With one
+    row a warp the straight stores are the only ones and count, as head-major's do."""
+    memory = {}
+    for variant in ("qkv_d512r64_fp8_ds_mla_bf16_sm90", "qkv_qi_d512r64_fp8_ds_mla_bf16_sm90"):
+        for key in ("w2_u2_pdl1_nc1_lq_d", "w4_u1_pdl1_nc1_cs"):
+            c = sass.count(variant, LaunchConfig.from_key(key), "sm_90a", row="q")
+            memory[variant.split("_")[1], key] = c["classes"]["memory"]
+    assert memory["qi", "w2_u2_pdl1_nc1_lq_d"] == memory["d512r64", "w2_u2_pdl1_nc1_lq_d"] + 8, memory
+    assert memory["qi", "w4_u1_pdl1_nc1_cs"] == memory["d512r64", "w4_u1_pdl1_nc1_cs"], memory
+
+
 def test_per_value_counts_every_pass_of_a_unit(cache):
     """With passes_per_warp = 2 a warp's unit is two rows, unrolled: the count holds both rows' accesses
     (twice the memory instructions of one) and per value divides by both rows' values, so it stays

@@ -17,7 +17,10 @@ choices' code is warp-uniform: a block that lies wholly inside the body of an `i
 `numerics` bit as set (and the Kernel methods called only from such bodies) runs only when a caller
 asks for that choice, so `instructions` counts the format defaults' path and
 `instructions_every_choice` the union; choice code the compiler if-converts into a shared block
-(predicated) counts in both, as it is issued.
+(predicated) counts in both, as it is issued. An interleaved module that stages two or more Q rows a
+warp (KernelBase.store_rows_interleaved) keeps straight stores for head counts that are not a multiple
+of them, behind a warp-uniform test of the head count: the Q count is the staged path's, without the
+blocks of store_q_row, which only that branch calls there (`straight_q_blocks`).
 
 Per value: that count divided by the values one lane handles in one unit (passes_per_warp x D /
 LANES_PER_ROW), i.e. thread instructions per value; a warp issues count warp instructions per unit of
@@ -43,7 +46,7 @@ from .. import dispatch
 from ..jit import compiler
 from ..jit.kernel_cache import KernelCache, KernelKey
 from ..launch import LaunchConfig
-from ..variants import parse_name
+from ..variants import QLayout, parse_name
 from .sass_reader import (  # noqa: F401  (the reader's public names, as this module's too)
     Instruction,
     SassError,
@@ -252,15 +255,18 @@ def label_blocks(blocks: list[Block], module_path: Path) -> None:
             blk.choice = all(blocks[p].choice for p in earlier)
 
 
-def reachable(blocks: list[Block], row: str, compress: bool, choices: bool = False) -> list[int]:
+def reachable(
+    blocks: list[Block], row: str, compress: bool, choices: bool = False, avoid: frozenset[int] = frozenset()
+) -> list[int]:
     """Blocks a steady-state pass of `row` kind can reach from the entry (`choices`: with every
-    parity choice's code too; otherwise the format defaults' path)."""
+    parity choice's code too; otherwise the format defaults' path), never through a block of `avoid`."""
     ok = [
         not blk.cold
         and blk.region in (None, row)
         and (compress or not blk.compress)
         and (choices or not blk.choice)
-        for blk in blocks
+        and b not in avoid
+        for b, blk in enumerate(blocks)
     ]
     seen, stack = set(), [0]
     while stack:
@@ -270,6 +276,32 @@ def reachable(blocks: list[Block], row: str, compress: bool, choices: bool = Fal
         seen.add(b)
         stack.extend(blocks[b].succ)
     return sorted(seen)
+
+
+def _method_blocks(blocks: list[Block], path: Path, method: str) -> frozenset[int]:
+    """The blocks with an instruction from `method` of the file at `path` (line info)."""
+    where = _module_lines(str(path))[0]
+    return frozenset(
+        b
+        for b, blk in enumerate(blocks)
+        if any(
+            i.line and Path(i.line[0]).name == path.name and where.get(i.line[1]) == method
+            for i in blk.instrs
+        )
+    )
+
+
+def straight_q_blocks(blocks: list[Block], module_path: Path) -> frozenset[int]:
+    """In a module that stages its interleaved Q rows, the blocks of the straight stores (store_q_row)
+    kept for head counts that are not a multiple of the rows a warp stages. Raises if the staged
+    stores are not reachable without them (the compiler moved straight-store code above the branch)."""
+    straight = _method_blocks(blocks, Path(module_path), "store_q_row")
+    staged = _method_blocks(blocks, compiler.kernel_base_path(), "store_rows_interleaved")
+    if not staged or not staged & set(reachable(blocks, "q_pass", False, choices=True, avoid=straight)):
+        raise SassError(
+            f"{Path(module_path).name}: the staged Q stores are not reachable apart from the straight ones"
+        )
+    return straight
 
 
 # ---- the count ------------------------------------------------------------------------------------------
@@ -322,8 +354,12 @@ def count(
         )
     if not v.op.has_q and not any(b.compress for b in blocks):
         raise SassError(f"{variant}: no compressed-writer code found (markers {COMPRESS_MARKERS} changed?)")
-    hot = [i for b in reachable(blocks, region, compress) for i in blocks[b].instrs]
-    every_choice = sum(len(blocks[b].instrs) for b in reachable(blocks, region, compress, choices=True))
+    staged = row == "q" and v.q_layout is QLayout.INTERLEAVED and config.passes_per_warp > 1
+    avoid = straight_q_blocks(blocks, compiler.module_path(variant)) if staged else frozenset()
+    hot = [i for b in reachable(blocks, region, compress, avoid=avoid) for i in blocks[b].instrs]
+    every_choice = sum(
+        len(blocks[b].instrs) for b in reachable(blocks, region, compress, choices=True, avoid=avoid)
+    )
     mod = compiler.load_module(variant)
     lanes = mod.Q_LANES_PER_ROW if row == "q" else mod.LANES_PER_ROW * config.row_split  # a row's lanes
     values = mod.HEAD_DIM // lanes * config.passes_per_warp  # a unit's passes are unrolled: all counted
