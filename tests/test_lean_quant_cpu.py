@@ -33,8 +33,8 @@ def patterns(start: int, count: int) -> torch.Tensor:
 
 def chunked(fn, x: torch.Tensor, size: int = 1 << 18) -> torch.Tensor:
     """fn(x) for an elementwise fn, computed in pieces that stay in the CPU's caches: the numerics twins
-    make tens of passes over their operands, and on 2 cores 2^18 elements at a time ran about 6x
-    faster than 2^24 at once."""
+    make tens of passes over their operands (this file's default run: 99 s whole, 33 s in pieces, on
+    2 cores; `pytest --durations` before and after 1fcba63)."""
     return torch.cat([fn(part) for part in x.split(size)])
 
 
