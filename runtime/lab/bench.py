@@ -29,6 +29,8 @@ from ..variants import IoDtype, Op, QLayout, QOut, Request
 from . import sass
 from .timing import copy_time_us, graph_time_us, host_time_us, l2_bytes
 
+FULL_Q = (True, True, "head_major")  # (apply_q_norm, apply_q_rope, q_layout) of the full op
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -276,11 +278,7 @@ def full_op(shape: Shape) -> Shape | None:
     input sets: the targets compare the two (targets.NO_SLOWER, INTERLEAVED_COST). Against the full op's
     own row, timed shapes earlier on other buffers, a ratio would carry whatever drifted in between.
     None for the full op itself and for the KV-only ops."""
-    if shape.op != "qkv" or (shape.apply_q_norm, shape.apply_q_rope, shape.q_layout) == (
-        True,
-        True,
-        "head_major",
-    ):
+    if shape.op != "qkv" or (shape.apply_q_norm, shape.apply_q_rope, shape.q_layout) == FULL_Q:
         return None
     return replace(shape, apply_q_norm=True, apply_q_rope=True, q_layout="head_major")
 

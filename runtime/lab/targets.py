@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError
-from .bench import Shape
+from .bench import FULL_Q, Shape
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def _main(s: dict) -> bool:
         64,
         "bf16",
         "qkv",
-    ) and _modes_of(s) == (True, True, "head_major")
+    ) and _modes_of(s) == FULL_Q
 
 
 TARGETS = [
@@ -80,7 +80,7 @@ def _is_mode(s: dict) -> bool:
     """A shape of the `modes` set: a Q mode other than the full op, a compressed writer, or a
     KV-only call of the sliding-window caches."""
     return (
-        _modes_of(s) != (True, True, "head_major")
+        _modes_of(s) != FULL_Q
         or s.get("compress_ratio", 1) != 1
         or (s["op"] == "kv" and s["cache_format"] in ("fp8_ds_mla", "mxfp8"))
     )
@@ -259,14 +259,14 @@ def _mode_pairs(results: list[dict]) -> list[dict]:
     full = {}
     for r in results:
         s = r["shape"]
-        if s["op"] == "qkv" and _modes_of(s) == (True, True, "head_major"):
+        if s["op"] == "qkv" and _modes_of(s) == FULL_Q:
             full[(s["cache_format"], s["n"], s["h"], s["p"])] = r["op"]["median_us"]
     for r in results:
         s = r["shape"]
         paired = r.get("extra", {}).get("full_op_us")
         base = sum(paired) / len(paired) if paired else full.get((s["cache_format"], s["n"], s["h"], s["p"]))
         norm, rope, layout = _modes_of(s)
-        if s["op"] != "qkv" or base is None or (norm, rope, layout) == (True, True, "head_major"):
+        if s["op"] != "qkv" or base is None or (norm, rope, layout) == FULL_Q:
             continue
         ratio = r["op"]["median_us"] / base
         if layout == "interleaved" and norm and rope and s["n"] >= 2048:
