@@ -55,8 +55,8 @@ def build_keys(
     numerics: Iterable[str] = (),
 ) -> list[tuple[Variant, KernelKey]]:
     """Every (variant, config, target) to compile: the given configs, or the arch default plus the
-    configs the tuning database names for that variant and target. A given config whose row_split
-    the variant does not take (Variant.row_splits) is left out for that variant. numerics: parity-choice
+    configs the tuning database names for that variant and target. A given config with a knob the
+    variant does not take (row_split, q_lanes: Variant.refusal) is left out for that variant. numerics: parity-choice
     spellings (e.g. "preset=vllm"); each defaults_only config is also compiled folded to each one's bits,
     for the formats that accept it (the dispatcher binds those modules to calls with exactly those bits;
     calls with other choices run the arch default config)."""
@@ -67,7 +67,7 @@ def build_keys(
         for t in v.arch.targets:
             if t not in (DEFAULT_BUILD_TARGETS if targets is None else targets):
                 continue
-            chosen = {c for c in given if c.row_split in v.row_splits} if given else {v.arch.default_config}
+            chosen = {c for c in given if not v.refusal(c)} if given else {v.arch.default_config}
             chosen |= tuned.get((v.name, t), set())
             # calls with parity choices run the arch default (Runtime.serving_config), or these folded modules
             folding = [c for c in chosen if c.defaults_only]

@@ -107,8 +107,6 @@ def make_plan(v: Variant) -> dict:
     return {
         "lanes_per_row": lanes,
         "q_lanes_per_row": q_lanes,
-        "q_rows_per_pass": WARP // q_lanes,
-        "q_slots": d // (VEC * q_lanes),
         "rows_per_pass": WARP // lanes,
         "slots": d // (VEC * lanes),
         "tail_vector": (d - r) // VEC,

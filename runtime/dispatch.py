@@ -241,11 +241,8 @@ class Runtime:
         serves them through another module (serving_config)."""
         facts = self.device(device)
         v = self.variant(request, facts.index)
-        if config is not None and config.row_split not in v.row_splits:
-            raise UnsupportedError(
-                f"config {config.key} splits a KV row over {config.row_split} warps; {v.name} takes "
-                f"row_split {v.row_splits} (only the plain KV writers of D >= 512 split a row)"
-            )
+        if config is not None and v.refusal(config):
+            raise UnsupportedError(v.refusal(config))
         configs = [
             config or self.config(v, facts.index, 1 << i, heads, written, compress_ratio)
             for i in range(MAX_BUCKET_LOG2 + 1)

@@ -49,6 +49,11 @@ class LaunchConfig:
     # its positions first. On the H200 late never helped qkv and moved the KV writers by -7..+4% at
     # T >= 2048 (docs/launch-knobs.md): the tuner picks it per bucket
     cos_sin_late: bool = False
+    # k > 0: a Q row over k lanes (8, 16 or 32; 0: the module's own, Q_LANES_PER_ROW), so a warp's
+    # store instruction writes 32 / k rows. In the chunk-interleaved layout those are adjacent heads of
+    # one token, and each chunk's pieces of them land as one run (k = 16: 64 bytes) with no
+    # shared-memory stage; each lane's chain is 32 / k times longer. Q modules only (Variant.q_row_lanes)
+    q_lanes: int = 0
 
     def __post_init__(self):
         if self.warps_per_cta not in (1, 2, 4, 8, 16, 32):
@@ -67,6 +72,8 @@ class LaunchConfig:
             raise ValueError("defaults_only and folded_numerics each fix the numerics: give one")
         if self.row_split not in (1, 2, 4):
             raise ValueError(f"row_split must be 1, 2 or 4, got {self.row_split}")
+        if self.q_lanes not in (0, 8, 16, 32):
+            raise ValueError(f"q_lanes must be 0 (the module's), 8, 16 or 32, got {self.q_lanes}")
 
     @property
     def persistent(self) -> bool:
@@ -97,12 +104,14 @@ class LaunchConfig:
             k += f"_r{self.row_split}"
         if self.cos_sin_late:
             k += "_late"
+        if self.q_lanes:
+            k += f"_q{self.q_lanes}"
         return k
 
     @classmethod
     def from_key(cls, key: str) -> LaunchConfig:
         m = re.fullmatch(
-            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?(_d)?(?:_n(\d+))?(?:_r(\d+))?(_late)?",
+            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?(_d)?(?:_n(\d+))?(?:_r(\d+))?(_late)?(?:_q(\d+))?",
             key,
         )
         if not m:
@@ -111,7 +120,7 @@ class LaunchConfig:
                 f"not a launch-config key: {key!r}"
                 + (f" (did you mean {close[0]}?)" if close else "")
                 + "; keys read w<warps per CTA>_u<passes per warp>_pdl<0|1>_nc<0|1>[_c<CTAs per SM>]"
-                "[_spread][_cs][_m<min CTAs per SM>][_s32][_lq][_d][_n<folded numerics bits>][_r<warps per KV row>][_late], e.g. w4_u1_pdl1_nc1_cs"
+                "[_spread][_cs][_m<min CTAs per SM>][_s32][_lq][_d][_n<folded numerics bits>][_r<warps per KV row>][_late][_q<lanes per Q row>], e.g. w4_u1_pdl1_nc1_cs"
             )
         return cls(
             int(m.group(1)),
@@ -128,6 +137,7 @@ class LaunchConfig:
             folded_numerics=int(m.group(12) if m.group(12) is not None else -1),
             row_split=int(m.group(13) or 1),
             cos_sin_late=bool(m.group(14)),
+            q_lanes=int(m.group(15) or 0),
         )
 
     def as_dict(self) -> dict:
@@ -151,7 +161,9 @@ def _keys_like(key: str) -> list[str]:
 
 
 def all_configs() -> list[LaunchConfig]:
-    """Every config the template supports (the tuner prunes from these; slot width is the caller's)."""
+    """Every config the template supports (the tuner prunes from these; slot width is the caller's), with
+    Q rows on the module's lanes or on 16 (q_lanes 8 and 32 are taken too but not swept: 32 is the
+    D = 512 default, and 8, as the interleaved layout's default once, was 8% slower at T = 1: codegen/plan.py)."""
     return [
         LaunchConfig(
             w,
@@ -166,6 +178,7 @@ def all_configs() -> list[LaunchConfig]:
             defaults_only=dflt,
             row_split=k,
             cos_sin_late=late,
+            q_lanes=q,
         )
         for w in (1, 2, 4, 8, 16, 32)
         for u in (1, 2, 4)
@@ -179,4 +192,5 @@ def all_configs() -> list[LaunchConfig]:
         for dflt in (False, True)
         for k in (1, 2, 4)
         for late in (False, True)
+        for q in (0, 16)
     ]

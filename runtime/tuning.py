@@ -262,12 +262,11 @@ def entry_problem(e) -> str | None:
         return f"capability must look like 9.0, got {e['capability']!r}"
     try:
         config = LaunchConfig.from_key(e["config"])
-        takes = parse_name(e["variant"]).row_splits if config.row_split > 1 else (1,)
+        if config.row_split == 1 and not config.q_lanes:
+            return None
+        return parse_name(e["variant"]).refusal(config)  # a module compiled with it would refuse the config
     except (ValueError, UnsupportedError) as exc:
         return str(exc)
-    if config.row_split not in takes:  # a module compiled with it would refuse the config
-        return f"{e['variant']} takes row_split {takes}, not {config.row_split}"
-    return None
 
 
 def _no_constants(name: str):

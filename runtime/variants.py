@@ -261,6 +261,25 @@ class Variant:
             return (1,)
         return tuple(k for k in (1, 2, 4) if vectors_per_lane % k == 0)
 
+    @property
+    def q_lanes(self) -> tuple[int, ...]:
+        """The LaunchConfig.q_lanes values this module takes: 0 (its own) and each lane count of a warp
+        that holds a Q row in whole 128-bit vectors; (0,) for a module without Q rows."""
+        if not self.op.has_q:
+            return (0,)
+        return (0,) + tuple(k for k in (8, 16, 32) if k <= self.head_dim // 8)
+
+    def refusal(self, config) -> str | None:
+        """Why this module's Kernel would refuse a LaunchConfig (the knobs only some modules take), or None."""
+        if config.row_split not in self.row_splits:
+            return (
+                f"config {config.key} splits a KV row over {config.row_split} warps; {self.name} takes "
+                f"row_split {self.row_splits} (only the plain KV writers of D >= 512 split a row)"
+            )
+        if config.q_lanes not in self.q_lanes:
+            return f"config {config.key} puts a Q row on {config.q_lanes} lanes; {self.name} takes q_lanes {self.q_lanes}"
+        return None
+
     def __str__(self) -> str:
         return self.name
 

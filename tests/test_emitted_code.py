@@ -32,11 +32,11 @@ def expected_min_128bit_loads(v: Variant, config: LaunchConfig | None = None) ->
     n = per_row  # kv
     if v.op is Op.KV_NORM:
         n += plan["slots"]  # norm weights
-    if v.op.has_q:  # a Q row's lanes (Q_LANES_PER_ROW: fewer for the chunk-interleaved layout)
-        q_tail = sum(
-            1 for s in range(plan["q_slots"]) if (s + 1) * plan["q_lanes_per_row"] > plan["tail_vector"]
-        )
-        n += plan["q_slots"] + 2 * q_tail
+    if v.op.has_q:  # a Q row's lanes: the config's (LaunchConfig.q_lanes) or the module's
+        q_lanes = (config.q_lanes if config else 0) or plan["q_lanes_per_row"]
+        q_slots = v.head_dim // (8 * q_lanes)
+        q_tail = sum(1 for s in range(q_slots) if (s + 1) * q_lanes > plan["tail_vector"])
+        n += q_slots + 2 * q_tail
     return n if v.op.has_q else 2 * n
 
 

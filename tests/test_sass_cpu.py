@@ -308,7 +308,8 @@ def early_cos_sin_loads(variant: str, config: LaunchConfig, kernel: str) -> int:
     plan = make_plan(v)
     kinds = [(plan["slots"] // config.row_split, plan["lanes_per_row"] * config.row_split)]
     if v.op.has_q:
-        kinds.append((plan["q_slots"], plan["q_lanes_per_row"]))
+        q_lanes = config.q_lanes or plan["q_lanes_per_row"]
+        kinds.append((v.head_dim // (8 * q_lanes), q_lanes))
     tail = plan["tail_vector"]
     per_row = sum(sum(1 for s in range(slots) if (s + 1) * lanes > tail) for slots, lanes in kinds)
     return 2 * config.passes_per_warp * per_row

@@ -92,6 +92,8 @@ class Kernel(KernelBase):
         self.row_lanes = LANES_PER_ROW * config.row_split  # a KV row's lanes, over row_split warps: vector j -> lane j % row_lanes
         self.slots = SLOTS // config.row_split  # 128-bit vectors per lane per KV row
         self.round_rows = config.passes_per_warp * ROWS_PER_PASS  # KV rows one unit takes at once
+        if config.q_lanes:
+            raise ValueError(f"q_lanes={config.q_lanes} does not apply to this module (it has no Q rows)")
 
     @cute.jit
     def __call__(

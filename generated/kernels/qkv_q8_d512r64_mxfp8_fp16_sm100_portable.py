@@ -25,9 +25,8 @@ ROWS_PER_PASS = 1  # rows one warp handles at once
 SLOTS = 2  # 128-bit vectors per lane per row
 TAIL_VECTOR = 56  # first vector of the rotated dims [D - R, D)
 ROW_SPLITS = (1,)  # LaunchConfig.row_split values this module takes (a KV row over k warps)
-Q_LANES_PER_ROW = 32  # a Q row's lanes (its RMSNorm sums in LANES_PER_ROW lanes' order whatever they are)
-Q_ROWS_PER_PASS = 1  # Q rows a warp handles at once
-Q_SLOTS = 2  # 128-bit vectors per lane per Q row
+Q_LANES_PER_ROW = 32  # a Q row's lanes unless the config says (LaunchConfig.q_lanes)
+Q_LANES = (0, 8, 16, 32)  # LaunchConfig.q_lanes values this module takes (0: Q_LANES_PER_ROW)
 ROW_VECTORS = HEAD_DIM * 1 // 16  # 128-bit vectors in one q_out head row
 PAD_VECTORS_PER_LANE = 8  # a pad pass zeroes 32 * this many vectors of one token's pad heads
 
@@ -115,6 +114,13 @@ class Kernel(KernelBase):
         self.row_lanes = LANES_PER_ROW * config.row_split  # a KV row's lanes, over row_split warps: vector j -> lane j % row_lanes
         self.slots = SLOTS // config.row_split  # 128-bit vectors per lane per KV row
         self.round_rows = config.passes_per_warp * ROWS_PER_PASS  # KV rows one unit takes at once
+        if config.q_lanes not in Q_LANES:
+            raise ValueError(f"q_lanes={config.q_lanes} does not apply to this module (it takes {Q_LANES})")
+        # a Q row's lanes: vector j -> lane j % q_lanes, slot j // q_lanes (its RMSNorm sums in
+        # LANES_PER_ROW lanes' order whatever they are, so the bits do not depend on it)
+        self.q_lanes = config.q_lanes or Q_LANES_PER_ROW
+        self.q_rows_per_pass = 32 // self.q_lanes  # Q rows a warp handles at once
+        self.q_slots = HEAD_DIM // (VEC * self.q_lanes)  # 128-bit vectors per lane per Q row
 
     @cute.jit
     def __call__(
@@ -144,7 +150,7 @@ class Kernel(KernelBase):
         kv_passes = (kv_passes + (kv_group - 1)) // kv_group * kv_group
         kv_passes = kv_passes * self.cfg.row_split  # row_split warps take their parts of the same rows
         q_heads = q_in.shape[1]
-        q_passes = (q_in.shape[0] * q_heads + (Q_ROWS_PER_PASS - 1)) // Q_ROWS_PER_PASS
+        q_passes = (q_in.shape[0] * q_heads + (self.q_rows_per_pass - 1)) // self.q_rows_per_pass
         q_end = kv_passes + (q_passes + (per_warp - 1)) // per_warp * per_warp  # a warp never mixes Q and pad passes
         pad_vectors = cutlass.max(n_write_heads - q_heads, 0) * ROW_VECTORS  # per token
         pad_chunks = (pad_vectors + (32 * PAD_VECTORS_PER_LANE - 1)) // (32 * PAD_VECTORS_PER_LANE)
@@ -201,10 +207,10 @@ class Kernel(KernelBase):
         range in checked mode is written as zeros. Every row's position load is issued first and its cos/sin
         loads next, both before the PDL wait; after the wait its q_in loads (with cos_sin_late, each followed
         by the row's cos/sin loads instead); then each row is finished."""
-        sub = lane % Q_LANES_PER_ROW
+        sub = lane % self.q_lanes
         ids = []
         for u in range_constexpr(self.cfg.passes_per_warp):
-            r = (p + u) * Q_ROWS_PER_PASS + lane // Q_LANES_PER_ROW
+            r = (p + u) * self.q_rows_per_pass + lane // self.q_lanes
             t = Int32(kl.magic_quotient(Uint32(r), schedule.heads_magic, schedule.heads_shift))  # r // H (r < T x H < 2^31)
             h = r - t * schedule.q_heads
             valid = t < args.q_in.shape[0]
@@ -223,37 +229,37 @@ class Kernel(KernelBase):
                 live = live & cutlass.not_(bad)
             tables = None
             if const_expr(not self.cfg.cos_sin_late):
-                tables = self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub, Q_SLOTS, Q_LANES_PER_ROW)
+                tables = self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub, self.q_slots, self.q_lanes)
             early.append((live, position, tables))
         self.wait_for_producer()
         loaded = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             t, h, valid = ids[u][:3]
             src = kl.base_address(args.q_in) + (Int64(t) * args.q_in.stride[0] + Int64(h) * HEAD_DIM) * 2
-            frags = [kl.zero_vector(IO_DTYPE) for _ in range(Q_SLOTS)]
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.q_slots)]
             if valid:
-                for s in range_constexpr(Q_SLOTS):
-                    kl.load_vector_into(frags[s], src, Int64((s * Q_LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+                for s in range_constexpr(self.q_slots):
+                    kl.load_vector_into(frags[s], src, Int64((s * self.q_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
             live, position, tables = early[u]
             if const_expr(self.cfg.cos_sin_late):
-                tables = self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub, Q_SLOTS, Q_LANES_PER_ROW)
+                tables = self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub, self.q_slots, self.q_lanes)
             loaded.append((t, h, valid, live, frags, tables))
         for u in range_constexpr(self.cfg.passes_per_warp):
             t, h, valid, live, frags, tables = loaded[u]
             xs = [f.load().to(Float32) for f in frags]
-            ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(Q_SLOTS)]
-            for s in range_constexpr(Q_SLOTS):
+            ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(self.q_slots)]
+            for s in range_constexpr(self.q_slots):
                 ys[s].store(xs[s])
             if (args.q_flags & NO_NORM) == 0:
                 # summed in the order of LANES_PER_ROW lanes, whatever the lanes holding the row
-                rinv = kl.rms_inverse(kl.sum_of_squares(xs, Q_LANES_PER_ROW, LANES_PER_ROW), HEAD_DIM, args.eps)
-                for s in range_constexpr(Q_SLOTS):
+                rinv = kl.rms_inverse(kl.sum_of_squares(xs, self.q_lanes, LANES_PER_ROW), HEAD_DIM, args.eps)
+                for s in range_constexpr(self.q_slots):
                     ys[s].store(xs[s] * rinv)
-            self.rotate_tail(ys, tables, live & ((args.q_flags & NO_ROPE) == 0), sub, Q_SLOTS, Q_LANES_PER_ROW)
+            self.rotate_tail(ys, tables, live & ((args.q_flags & NO_ROPE) == 0), sub, self.q_slots, self.q_lanes)
             dst = kl.base_address(args.q_out) + (Int64(t) * args.q_out.stride[0] + Int64(h) * HEAD_DIM) * 1
             if valid:
-                for s in range_constexpr(Q_SLOTS):
-                    offset = Int64((s * Q_LANES_PER_ROW + sub) * VEC * 1)
+                for s in range_constexpr(self.q_slots):
+                    offset = Int64((s * self.q_lanes + sub) * VEC * 1)
                     out = kl.e4m3_vector(ys[s].load() / args.q_scale[0])  # e4m3(q / scale), saturating
                     if not live:
                         out.fill(0)

@@ -354,14 +354,15 @@ def count(
         )
     if not v.op.has_q and not any(b.compress for b in blocks):
         raise SassError(f"{variant}: no compressed-writer code found (markers {COMPRESS_MARKERS} changed?)")
-    staged = row == "q" and v.q_layout is QLayout.INTERLEAVED and config.passes_per_warp > 1
+    mod = compiler.load_module(variant)
+    q_lanes = config.q_lanes or mod.Q_LANES_PER_ROW if v.op.has_q else 0  # (the Kernel's own rule)
+    staged = row == "q" and v.q_layout is QLayout.INTERLEAVED and config.passes_per_warp > 1 and q_lanes == 32
     avoid = straight_q_blocks(blocks, compiler.module_path(variant)) if staged else frozenset()
     hot = [i for b in reachable(blocks, region, compress, avoid=avoid) for i in blocks[b].instrs]
     every_choice = sum(
         len(blocks[b].instrs) for b in reachable(blocks, region, compress, choices=True, avoid=avoid)
     )
-    mod = compiler.load_module(variant)
-    lanes = mod.Q_LANES_PER_ROW if row == "q" else mod.LANES_PER_ROW * config.row_split  # a row's lanes
+    lanes = q_lanes if row == "q" else mod.LANES_PER_ROW * config.row_split  # a row's lanes
     values = mod.HEAD_DIM // lanes * config.passes_per_warp  # a unit's passes are unrolled: all counted
     main = [i for i in instrs if i.function == "main"]
     calls = Counter(

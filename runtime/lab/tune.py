@@ -155,7 +155,7 @@ def run(
     configs = prune(configs)
     sweep = Sweep()
     t0 = time.perf_counter()
-    work = [(v, c) for v in variants for c in configs if c.row_split in parse_name(v).row_splits]
+    work = [(v, c) for v in variants for c in configs if not parse_name(v).refusal(c)]
     total = len(work) * len(buckets)
     done = 0
     ctx = multiprocessing.get_context("spawn")

@@ -32,6 +32,8 @@ CONFIG_KEYS = [
     "w4_u2_pdl1_nc1_cs_lq_d_r2",  # row_split: a KV row over 2 warps (only the modules that take it)
     "w4_u1_pdl1_nc1_cs_lq_late",  # cos_sin_late: the cos/sin rows loaded after the PDL wait
     "w4_u1_pdl1_nc1_cs_lq_d",  # lean_quant with defaults_only: the SM90 E2M1 codes in float16 pairs
+    "w2_u2_pdl1_nc1_lq_d_q16",  # q_lanes: a Q row on 16 lanes (only the modules with Q rows)
+    "w4_u1_pdl1_nc1_cs_q8",  # and on 8 (D = 128: half its default)
 ]
 CONFIG_VARIANTS = [
     "qkv_d512r64_fp8_ds_mla_bf16_sm90",

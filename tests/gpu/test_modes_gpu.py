@@ -67,6 +67,9 @@ INTERLEAVED_CONFIGS = [
     "w8_u1_pdl0_nc0_c4",  # one row a warp: no stage
     "w2_u4_pdl1_nc1_spread",
     "w4_u4_pdl1_nc1_c4_cs",  # persistent
+    "w2_u1_pdl1_nc1_lq_d_q16",  # a row on 16 lanes: two adjacent heads a store, no stage
+    "w2_u2_pdl1_nc1_lq_d_q16",  # and two passes of them
+    "w4_u1_pdl1_nc1_cs_q8",  # four heads a store
 ]
 
 
@@ -75,7 +78,8 @@ INTERLEAVED_CONFIGS = [
 def test_interleaved_q_rows_under_other_launch_configs(key, q8):
     """Chunk-interleaved Q rows across CTA sizes, passes per warp, persistent grids and KV spread. With
     2 or 4 passes a warp, rows go through shared memory when H is a multiple of them (8, 16, 64: u adjacent
-    heads of one token) and straight to q_out when not (6 with 4 passes)."""
+    heads of one token) and straight to q_out when not (6 with 4 passes). On 16 or 8 lanes (q_lanes) a
+    warp's rows are stored side by side as they are (with H = 6 on 8 lanes, rows of two tokens)."""
     for n, h, p in ((1, 8, 64), (513, 6, 64), (77, 16, 64), (200, 64, 128)):
         check(
             Case(n=n, h=h, p=p, m=n - n // 3, negative_every=5, q_layout="interleaved", q_fp8=q8, seed=n + h),
