@@ -344,7 +344,7 @@ def _alternatives(values) -> str:
     return "|".join(sorted((re.escape(str(v)) for v in values), key=len, reverse=True))
 
 
-_NAME = re.compile(
+NAME = re.compile(  # the grammar of Variant.name
     rf"(?P<op>{_alternatives(o.value for o in Op)})(?P<q8>_q8)?(?P<qi>_qi)?_d(?P<d>\d+)r(?P<r>\d+)"
     rf"_(?P<fmt>{_alternatives(FORMATS)})_(?P<io>{_alternatives(i.value for i in IoDtype)})"
     rf"_(?P<arch>{_alternatives(a.value for a in ArchFamily)})(?P<portable>_portable)?"
@@ -353,7 +353,7 @@ _NAME = re.compile(
 
 def parse_name(name: str) -> Variant:
     """The inverse of Variant.name, for any combination (supported or not)."""
-    m = _NAME.fullmatch(name)
+    m = NAME.fullmatch(name)
     if m is None:
         raise UnsupportedError(f"{name!r} is not a variant name (e.g. qkv_d512r64_fp8_ds_mla_bf16_sm90)")
     arch = ArchFamily(m["arch"])
@@ -425,31 +425,6 @@ def not_generated(v: Variant) -> str:
         or "it is supported but was not generated (run `python -m attn_prologue generate`)"
     )
     return f"no kernel variant {v.name}: {why}; nearest generated: {', '.join(nearest(v))}"
-
-
-def explain_name(name: str) -> str:
-    """What is wrong with a variant name (or name prefix) a user typed that matches nothing: the
-    reason and nearest generated variants for a well-formed name, else the closest names or prefixes."""
-    if _NAME.fullmatch(name) is None:
-        return f"{name!r} is not a variant name or prefix" + "".join(
-            f"; closest generated: {', '.join(close)}" for close in [_closest_prefixes(name)] if close
-        )
-    try:
-        return not_generated(parse_name(name))
-    except UnsupportedError as exc:  # a non-canonical spelling: the message names the canonical one
-        return str(exc)
-
-
-def _closest_prefixes(typed: str, count: int = 3) -> list[str]:
-    """Generated names whose start is most like `typed`, each cut at the end of the axis it reaches."""
-    scored = {}
-    for n in generated():
-        end = n.find("_", len(typed))
-        cut = n if end < 0 else n[:end]
-        start, whole = (difflib.SequenceMatcher(None, typed, s).ratio() for s in (n[: len(typed)], cut))
-        scored[cut] = max((start, whole), scored.get(cut, (0.0, 0.0)))
-    best = sorted(scored.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0]))
-    return [cut for cut, (start, _) in best[:count] if start >= 0.6]
 
 
 def nearest(v: Variant, count: int = 3) -> list[str]:

@@ -5,9 +5,10 @@ numbers and unknown names while parsing, before any command runs. Nothing here i
 from __future__ import annotations
 
 import argparse
+import difflib
 
 from ..errors import UnsupportedError
-from ..variants import check_targets, did_you_mean, explain_name, generated
+from ..variants import NAME, check_targets, did_you_mean, generated, not_generated, parse_name
 
 
 class Parser(argparse.ArgumentParser):
@@ -129,3 +130,28 @@ variant_pattern = _typed("variant", _variant_pattern)
 def matches(name: str, patterns) -> bool:
     """Does a variant name equal or start with one of the patterns (every name, without patterns)?"""
     return not patterns or any(name.startswith(p) for p in patterns)
+
+
+def explain_name(name: str) -> str:
+    """What is wrong with a variant name (or name prefix) a user typed that matches nothing: the
+    reason and nearest generated variants for a well-formed name, else the closest names or prefixes."""
+    if NAME.fullmatch(name) is None:
+        return f"{name!r} is not a variant name or prefix" + "".join(
+            f"; closest generated: {', '.join(close)}" for close in [_closest_prefixes(name)] if close
+        )
+    try:
+        return not_generated(parse_name(name))
+    except UnsupportedError as exc:  # a non-canonical spelling: the message names the canonical one
+        return str(exc)
+
+
+def _closest_prefixes(typed: str, count: int = 3) -> list[str]:
+    """Generated names whose start is most like `typed`, each cut at the end of the axis it reaches."""
+    scored = {}
+    for n in generated():
+        end = n.find("_", len(typed))
+        cut = n if end < 0 else n[:end]
+        start, whole = (difflib.SequenceMatcher(None, typed, s).ratio() for s in (n[: len(typed)], cut))
+        scored[cut] = max((start, whole), scored.get(cut, (0.0, 0.0)))
+    best = sorted(scored.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0]))
+    return [cut for cut, (start, _) in best[:count] if start >= 0.6]
