@@ -241,8 +241,8 @@ class Runtime:
         serves them through another module (serving_config)."""
         facts = self.device(device)
         v = self.variant(request, facts.index)
-        if config is not None and v.refusal(config):
-            raise UnsupportedError(v.refusal(config))
+        if config is not None and (why := v.refusal(config)):
+            raise UnsupportedError(why)
         configs = [
             config or self.config(v, facts.index, 1 << i, heads, written, compress_ratio)
             for i in range(MAX_BUCKET_LOG2 + 1)

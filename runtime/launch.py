@@ -52,7 +52,7 @@ class LaunchConfig:
     # k > 0: a Q row over k lanes (8, 16 or 32; 0: the module's own, Q_LANES_PER_ROW), so a warp's
     # store instruction writes 32 / k rows. In the chunk-interleaved layout those are adjacent heads of
     # one token, and each chunk's pieces of them land as one run (k = 16: 64 bytes) with no
-    # shared-memory stage; each lane's chain is 32 / k times longer. Q modules only (Variant.q_row_lanes)
+    # shared-memory stage; a lane's chain is 32 / k times a 32-lane row's. Q modules only (Variant.q_lanes)
     q_lanes: int = 0
 
     def __post_init__(self):
