@@ -121,6 +121,7 @@ class Kernel(KernelBase):
         self.q_lanes = config.q_lanes or Q_LANES_PER_ROW
         self.q_rows_per_pass = 32 // self.q_lanes  # Q rows a warp handles at once
         self.q_slots = HEAD_DIM // (VEC * self.q_lanes)  # 128-bit vectors per lane per Q row
+        self.q_staged = False  # head-major Q rows are stored as they are
 
     @cute.jit
     def __call__(

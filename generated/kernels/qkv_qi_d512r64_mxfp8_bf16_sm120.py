@@ -124,6 +124,9 @@ class Kernel(KernelBase):
         self.q_lanes = config.q_lanes or Q_LANES_PER_ROW
         self.q_rows_per_pass = 32 // self.q_lanes  # Q rows a warp handles at once
         self.q_slots = HEAD_DIM // (VEC * self.q_lanes)  # 128-bit vectors per lane per Q row
+        # more than one Q row a warp on a warp's lanes each: each warp stages its rows in shared memory
+        # (store_rows_interleaved); rows on fewer lanes are stored side by side as they are
+        self.q_staged = config.passes_per_warp > 1 and self.q_lanes == 32
 
     @cute.jit
     def __call__(
@@ -169,10 +172,7 @@ class Kernel(KernelBase):
 
     @cute.kernel
     def kernel(self, args: Arguments, schedule: Schedule):
-        # more than one Q row a warp on a warp's lanes each: each warp stages its rows in shared memory
-        # (store_rows_interleaved); rows on fewer lanes are stored side by side as they are
-        staged = self.cfg.passes_per_warp > 1 and self.q_lanes == 32
-        stage = self.stage_for_this_warp(ROW_VECTORS * 16) if const_expr(staged) else None
+        stage = self.stage_for_this_warp(ROW_VECTORS * 16) if const_expr(self.q_staged) else None
         self.run_units(args, schedule, False, stage)
 
     @cute.jit

@@ -46,7 +46,7 @@ from .. import dispatch
 from ..jit import compiler
 from ..jit.kernel_cache import KernelCache, KernelKey
 from ..launch import LaunchConfig
-from ..variants import QLayout, parse_name
+from ..variants import parse_name
 from .sass_reader import (  # noqa: F401  (the reader's public names, as this module's too)
     Instruction,
     SassError,
@@ -355,14 +355,14 @@ def count(
     if not v.op.has_q and not any(b.compress for b in blocks):
         raise SassError(f"{variant}: no compressed-writer code found (markers {COMPRESS_MARKERS} changed?)")
     mod = compiler.load_module(variant)
-    q_lanes = config.q_lanes or mod.Q_LANES_PER_ROW if v.op.has_q else 0  # (the Kernel's own rule)
-    staged = row == "q" and v.q_layout is QLayout.INTERLEAVED and config.passes_per_warp > 1 and q_lanes == 32
+    kernel_obj = mod.Kernel(config)  # its lanes and stage, by the rules the kernel itself runs
+    staged = row == "q" and kernel_obj.q_staged
     avoid = straight_q_blocks(blocks, compiler.module_path(variant)) if staged else frozenset()
     hot = [i for b in reachable(blocks, region, compress, avoid=avoid) for i in blocks[b].instrs]
     every_choice = sum(
         len(blocks[b].instrs) for b in reachable(blocks, region, compress, choices=True, avoid=avoid)
     )
-    lanes = q_lanes if row == "q" else mod.LANES_PER_ROW * config.row_split  # a row's lanes
+    lanes = kernel_obj.q_lanes if row == "q" else kernel_obj.row_lanes  # a row's lanes
     values = mod.HEAD_DIM // lanes * config.passes_per_warp  # a unit's passes are unrolled: all counted
     main = [i for i in instrs if i.function == "main"]
     calls = Counter(
