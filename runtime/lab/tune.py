@@ -74,6 +74,14 @@ DEFAULT_SPACE = (
         LaunchConfig(w, 1, True, True, streaming=True, lean_quant=True, defaults_only=True, cos_sin_late=True)
         for w in (2, 8, 16)
     ]
+    + [  # Q rows on 16 lanes (modules with Q rows only: Variant.q_lanes): interleaved Q at T = 8192 on
+        # w2_u2_pdl1_nc1_lq_d_q16 in 258.4 us against 265.3 staged on 32 lanes
+        # (results/experiments/tune-q-lanes-h200-6c12705.json)
+        LaunchConfig(w, u, True, True, streaming=cs, lean_quant=True, defaults_only=True, q_lanes=16)
+        for w in (2, 4)
+        for u in (1, 2)
+        for cs in (False, True)
+    ]
 )
 
 
