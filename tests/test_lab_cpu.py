@@ -191,6 +191,64 @@ def test_tune_entries_take_the_fastest_config_per_bucket():
     )
 
 
+def test_tune_like_retimes_each_shape_over_what_the_source_chose():
+    """`tune --like`: one sweep per (heads, heads written, compress ratio, buckets) of the source's
+    entries, each variant over the configs chosen for it there and the arch default (once)."""
+    qkv, kv = "qkv_d512r64_fp8_ds_mla_bf16_sm90", "kv_d512r64_fp8_ds_mla_bf16_sm90"
+    default = LaunchConfig.from_key("w4_u1_pdl1_nc1_cs")
+
+    def entry(variant, bucket, config, gpu="NVIDIA H200", **shape):
+        return {**ENV.as_dict(), "gpu": gpu, "variant": variant, "bucket": bucket, "config": config, **shape}
+
+    source = [
+        entry(qkv, 1, "w2_u1_pdl1_nc1", heads=64, padded_heads=64),
+        entry(qkv, 64, "w4_u1_pdl1_nc1_cs", heads=64, padded_heads=64),  # the default: not timed twice
+        entry(qkv, 2048, "w2_u1_pdl1_nc1", heads=64, padded_heads=64),
+        entry(qkv, 1, "w8_u1_pdl1_nc1", heads=8, padded_heads=64),
+        entry(kv, 2048, "w16_u1_pdl1_nc1_lq_d", compress_ratio=4),  # no heads: the default 64
+        entry(kv, 8192, "w8_u1_pdl1_nc1_cs_lq_d", compress_ratio=4),
+        entry("kv_d128r64_fp8_token_bf16_sm90", 1, "w2_u1_pdl1_nc1"),  # not among the names
+    ]
+    groups = tune.like_groups(source, [qkv, kv], default)
+    got = {(g.heads, g.padded_heads, g.compress_ratio, g.buckets): g.configs for g in groups}
+    assert got == {
+        (8, 64, 1, (1,)): {qkv: [LaunchConfig.from_key("w8_u1_pdl1_nc1"), default]},
+        (64, 64, 1, (1, 64, 2048)): {qkv: [LaunchConfig.from_key("w2_u1_pdl1_nc1"), default]},
+        (64, 64, 4, (2048, 8192)): {
+            kv: [LaunchConfig.from_key(k) for k in ("w16_u1_pdl1_nc1_lq_d", "w8_u1_pdl1_nc1_cs_lq_d")]
+            + [default]
+        },
+    }
+    # entries of two GPUs: the source to follow is named, or the call is refused
+    two = [*source, entry(qkv, 1, "w16_u1_pdl1_nc1", gpu="NVIDIA H100 80GB HBM3", heads=64, padded_heads=64)]
+    with pytest.raises(ValueError, match="2 GPUs"):
+        tune.like_groups(two, [qkv], default)
+    (h100,) = tune.like_groups(two, [qkv], default, gpu="NVIDIA H100 80GB HBM3")
+    assert h100.buckets == (1,) and h100.configs == {qkv: [LaunchConfig.from_key("w16_u1_pdl1_nc1"), default]}
+    with pytest.raises(ValueError, match="no entry"):
+        tune.like_groups(source, ["kv_d512r64_mxfp8_bf16_sm90"], default)
+
+
+def test_tune_like_refuses_the_options_it_replaces_before_any_gpu_work(tmp_path):
+    from attn_prologue.cli.parser import build_parser
+    from attn_prologue.errors import InputError
+    from attn_prologue.lab import commands
+
+    db = tmp_path / "db.json"
+    tuning.TuningDatabase([]).save(db)
+    for extra, named in (
+        (["--buckets", "1,2"], "--buckets"),
+        (["--heads", "8"], "--heads"),
+        (["--space", "full"], "--space"),
+    ):
+        args = build_parser().parse_args(["tune", "--like", str(db), *extra])
+        with pytest.raises(InputError, match=f"takes {named} from its database"):
+            commands.run_tune(args)
+    with pytest.raises(InputError, match="no such file"):
+        commands.run_tune(build_parser().parse_args(["tune", "--like", str(tmp_path / "none.json")]))
+    assert commands._like_source(build_parser().parse_args(["tune", "--like", str(db)])) == []
+
+
 def test_target_checker_on_a_synthetic_bench_file():
     """`attn_prologue targets` reads a bench JSON; each bound is checked on the side it names."""
 
@@ -287,6 +345,22 @@ def test_result_documents_carry_their_provenance():
     tdoc = tune.document(sweep, ENV, LaunchConfig(4, 1, True, True), ORIGIN)
     assert tdoc["provenance"] == ORIGIN and tdoc["env"] == ENV.as_dict()
     assert [t["bucket"] for t in tdoc["timings"]] == [1, 2]
+    # several sweeps (tune --like): every timing says the shape it was timed at
+    r4 = tune.Sweep(
+        timings={("w", 8, "k"): 2.0},
+        seconds=1.0,
+        shape={"heads": 64, "padded_heads": 64, "compress_ratio": 4},
+    )
+    both = tune.document([sweep, r4], ENV, LaunchConfig(4, 1, True, True), ORIGIN)
+    assert both["seconds"] == 4.0 and both["timings"][-1] == {
+        "variant": "w",
+        "bucket": 8,
+        "config": "k",
+        "us": 2.0,
+        "heads": 64,
+        "padded_heads": 64,
+        "compress_ratio": 4,
+    }
 
 
 @pytest.mark.parametrize("op", ["qkv", "kv", "kv_norm"])

@@ -134,6 +134,15 @@ def build_parser() -> o.Parser:
         help="time the compressed writers' calls at this ratio (KV-only variants of formats that take it); "
         "their entries serve calls of that ratio",
     )  # fmt: skip
+    s.add_argument(
+        "--like", metavar="DB",
+        help="re-time here what DB's entries chose: each variant over the configs chosen for it and the arch "
+        "default, at the buckets, heads and compress ratios those entries were tuned at (a new GPU's database "
+        "from another's choices; not with the options above) (default: none)",
+    )  # fmt: skip
+    s.add_argument(
+        "--like-gpu", help="the GPU whose entries --like follows, when DB has several (default: its only one)"
+    )
     s.add_argument("--jobs", type=o.count(1), help="compile processes (default: CPU count)")
     s.add_argument(
         "--replays", type=o.count(1), default=15, help="CUDA-graph replays per timing (median taken)"

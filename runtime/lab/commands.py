@@ -121,6 +121,7 @@ def run_targets(args) -> int:
 
 
 def run_tune(args) -> int:
+    like = _like_source(args) if args.like else None  # its options are checked before the GPU is
     facts = dispatch.default_runtime().device()
     arch, target = facts.arch, facts.target
     names = sorted(
@@ -140,47 +141,82 @@ def run_tune(args) -> int:
         ratio = f" writing compress ratio {args.compress_ratio}" if args.compress_ratio != 1 else ""
         print(f"tune: no {arch.value} variant{ratio} matches {args.variants}")
         return 1
-    buckets = args.buckets or tuning.default_buckets(args.max_tokens)
-    if args.configs:
-        configs = list(args.configs)
-    else:
-        configs = all_configs() if args.space == "full" else list(tune.DEFAULT_SPACE)
     default = arch.default_config
-    if default not in configs:
-        configs.append(default)  # the heuristic's choice is always a candidate
-    configs = tune.prune(configs)
-    print(
-        f"tune: {len(names)} variants x {len(configs)} configs x {len(buckets)} buckets on {torch.cuda.get_device_name()} ({target})"
-    )
+    if like is not None:
+        try:
+            plan = [(g, g.configs) for g in tune.like_groups(like, names, default, args.like_gpu)]
+        except ValueError as exc:
+            raise InputError(f"tune --like {args.like}: {exc}") from None
+    else:
+        if args.configs:
+            configs = list(args.configs)
+        else:
+            configs = all_configs() if args.space == "full" else list(tune.DEFAULT_SPACE)
+        configs.append(default)  # the heuristic's choice is always a candidate (prune drops a repeat)
+        buckets = args.buckets or tuning.default_buckets(args.max_tokens)
+        shape = tune.LikeGroup(args.heads, args.padded_heads, args.compress_ratio, tuple(buckets), {})
+        plan = [(shape, dict.fromkeys(names, tune.prune(configs)))]
     origin = provenance()
-    sweep = tune.run(
-        names, buckets, configs, h=args.heads, p=args.padded_heads, compress_ratio=args.compress_ratio,
-        jobs=args.jobs, replays=args.replays,
-    )  # fmt: skip
     env = tuning.current_environment()
-    new = tune.entries(
-        sweep, names, buckets, env, args.heads, args.padded_heads, provenance=origin,
-        compress_ratio=args.compress_ratio,
-    )  # fmt: skip
+    sweeps, new, default_us = [], [], []
+    for shape, configs in plan:
+        variants, buckets = list(configs), list(shape.buckets)
+        print(
+            f"tune: {len(variants)} variants x {max(map(len, configs.values()))} configs x {len(buckets)} buckets"
+            f" (H={shape.heads}, P={shape.padded_heads}, compress ratio {shape.compress_ratio})"
+            f" on {torch.cuda.get_device_name()} ({target})"
+        )
+        sweep = tune.run(
+            variants, buckets, configs, h=shape.heads, p=shape.padded_heads, compress_ratio=shape.compress_ratio,
+            jobs=args.jobs, replays=args.replays,
+        )  # fmt: skip
+        sweeps.append(sweep)
+        made = tune.entries(
+            sweep, variants, buckets, env, shape.heads, shape.padded_heads, provenance=origin,
+            compress_ratio=shape.compress_ratio,
+        )  # fmt: skip
+        new += made
+        default_us += [
+            sweep.timings.get((e["variant"], e["bucket"], default.key), float("inf")) for e in made
+        ]
     db_path = Path(args.db) if args.db else tuning.database_path()
     tuning.TuningDatabase.merge_into(db_path, new)
     print(f"\n{'variant':44} {'T':>6} {'best config':>16} {'us':>9} {'default us':>10} {'gain':>6}")
-    for e in new:
-        d = sweep.timings.get((e["variant"], e["bucket"], default.key), float("inf"))
+    for e, d in zip(new, default_us):
         print(
             f"{e['variant']:44} {e['bucket']:6d} {e['config']:>16} {e['us']:9.2f} {d:10.2f} {d / e['us']:5.2f}x"
         )
-    for v, key, b, err in sweep.failures:
-        print(f"FAILED {v} {key} T={b}: {err}")
-    print(f"\ntune: {sweep.seconds:.1f}s, {len(new)} entries merged into {db_path}")
+    for sweep in sweeps:
+        for v, key, b, err in sweep.failures:
+            print(f"FAILED {v} {key} T={b}: {err}")
+    print(f"\ntune: {sum(s.seconds for s in sweeps):.1f}s, {len(new)} entries merged into {db_path}")
     if args.json:
-        Path(args.json).write_text(json.dumps(tune.document(sweep, env, default, origin), indent=1))
+        Path(args.json).write_text(json.dumps(tune.document(sweeps, env, default, origin), indent=1))
     if args.plot_dir:
-        for v in names:
-            plots.tune_plot(
-                sweep, v, buckets, args.heads, args.padded_heads, Path(args.plot_dir) / f"tune_{v}.png"
-            )
+        for (shape, configs), sweep in zip(plan, sweeps):
+            for v in configs:
+                plots.tune_plot(
+                    sweep, v, list(shape.buckets), shape.heads, shape.padded_heads,
+                    Path(args.plot_dir) / f"tune_{v}.png",
+                )  # fmt: skip
     return 0
+
+
+# what `tune --like` takes from the source database instead of the command line
+_LIKE_TAKES = ("buckets", "max_tokens", "space", "configs", "heads", "padded_heads", "compress_ratio")
+
+
+def _like_source(args) -> list[dict]:
+    """`tune --like DB`: DB's entries, once the options it replaces were checked to be unset."""
+    from ..cli.parser import build_parser
+
+    defaults = vars(build_parser().parse_args(["tune"]))
+    given = [f"--{k.replace('_', '-')}" for k in _LIKE_TAKES if getattr(args, k) != defaults[k]]
+    if given:
+        raise InputError(f"tune --like takes {', '.join(given)} from its database: give them without --like")
+    if not Path(args.like).is_file():
+        raise InputError(f"tune --like {args.like}: no such file")
+    return tuning.TuningDatabase.load(Path(args.like)).entries
 
 
 def run_simulate(args) -> int:

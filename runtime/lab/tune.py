@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .. import dispatch
+from .. import dispatch, tuning
 from ..jit.kernel_cache import KernelCache, KernelKey
 from ..launch import LaunchConfig
 from ..variants import QOut, parse_name
@@ -136,6 +136,7 @@ class Sweep:
     timings: dict = field(default_factory=dict)  # (variant, bucket, config key) -> us (inf on failure)
     failures: list = field(default_factory=list)
     seconds: float = 0.0
+    shape: dict = field(default_factory=dict)  # the heads, heads written and compress ratio it timed
 
     def best(self, variant: str, bucket: int) -> tuple[str, float]:
         cands = [(us, key) for (v, b, key), us in self.timings.items() if v == variant and b == bucket]
@@ -146,7 +147,7 @@ class Sweep:
 def run(
     variants: list[str],
     buckets: list[int],
-    configs: list[LaunchConfig],
+    configs: list[LaunchConfig] | dict[str, list[LaunchConfig]],
     *,
     h: int = 64,
     p: int = 64,
@@ -156,14 +157,15 @@ def run(
     cache=None,
     log: Callable[[str], None] = print,
 ) -> Sweep:
-    """Time every (variant, config, bucket); compress_ratio > 1 times the variants' compressed calls
-    (KV-only modules of a format that takes that ratio)."""
+    """Time every (variant, config, bucket); configs given per variant (a dict) time each variant over
+    its own. compress_ratio > 1 times the variants' compressed calls (KV-only modules of a format that
+    takes that ratio)."""
     cache = cache or dispatch.default_runtime().cache
     target = dispatch.default_runtime().device().target
-    configs = prune(configs)
-    sweep = Sweep()
+    configs_of = configs if isinstance(configs, dict) else dict.fromkeys(variants, configs)
+    sweep = Sweep(shape={"heads": h, "padded_heads": p, "compress_ratio": compress_ratio})
     t0 = time.perf_counter()
-    work = [(v, c) for v in variants for c in configs if not parse_name(v).refusal(c)]
+    work = [(v, c) for v in variants for c in prune(configs_of[v]) if not parse_name(v).refusal(c)]
     total = len(work) * len(buckets)
     done = 0
     ctx = multiprocessing.get_context("spawn")
@@ -253,16 +255,63 @@ def entries(
     return out
 
 
-def document(sweep: Sweep, env, default: LaunchConfig, provenance: dict) -> dict:
-    """What `tune --json` writes: every timing (inf for a failure) and the failures' reasons."""
+def document(sweeps: Sweep | list[Sweep], env, default: LaunchConfig, provenance: dict) -> dict:
+    """What `tune --json` writes: every timing (inf for a failure) with the heads, heads written and
+    compress ratio it was timed at, and the failures' reasons."""
+    sweeps = [sweeps] if isinstance(sweeps, Sweep) else sweeps
     return {
         "provenance": provenance,
-        "seconds": sweep.seconds,
+        "seconds": sum(s.seconds for s in sweeps),
         "env": env.as_dict(),
         "default": default.key,
         "timings": [
-            {"variant": v, "bucket": b, "config": k, "us": us}
-            for (v, b, k), us in sorted(sweep.timings.items())
+            {"variant": v, "bucket": b, "config": k, "us": us, **s.shape}
+            for s in sweeps
+            for (v, b, k), us in sorted(s.timings.items())
         ],
-        "failures": sweep.failures,
+        "failures": [f for s in sweeps for f in s.failures],
     }
+
+
+@dataclass(frozen=True)
+class LikeGroup:
+    """One sweep of `tune --like`: the calls a source database's entries were tuned at."""
+
+    heads: int
+    padded_heads: int
+    compress_ratio: int
+    buckets: tuple[int, ...]
+    configs: dict  # variant -> the configs the source chose for it at any of those buckets, and the default
+
+
+def like_groups(
+    source: list[dict], names: list[str], default: LaunchConfig, gpu: str | None = None
+) -> list[LikeGroup]:
+    """The sweeps that re-time here what another GPU's tuning chose: for each (heads, heads written,
+    compress ratio, buckets) of the source entries of `names`, each variant over the configs chosen
+    for it at that shape plus `default`. Entries of several GPUs need `gpu` to say which one to follow
+    (a ValueError names them); no entry for `names` is a ValueError too."""
+    mine = [e for e in source if e["variant"] in names]
+    gpus = sorted({e["gpu"] for e in mine})
+    if gpu is not None:
+        mine = [e for e in mine if e["gpu"] == gpu]
+    elif len(gpus) > 1:
+        raise ValueError(
+            f"the source database has entries of {len(gpus)} GPUs for these variants: name one of {gpus}"
+        )
+    if not mine:
+        raise ValueError(
+            f"the source database has no entry for these variants{f' on {gpu}' if gpu else ''} (it has {gpus})"
+        )
+    shapes: dict = {}  # (heads, written, ratio, variant) -> (buckets, configs in first-seen order)
+    for e in sorted(mine, key=lambda e: e["bucket"]):
+        heads = e.get("heads", tuning.DEFAULT_HEADS)
+        key = (heads, e.get("padded_heads", heads), e.get("compress_ratio", 1), e["variant"])
+        buckets, configs = shapes.setdefault(key, (set(), {}))
+        buckets.add(e["bucket"])
+        configs[LaunchConfig.from_key(e["config"])] = None
+    groups: dict = {}
+    for (h, p, r, v), (buckets, configs) in sorted(shapes.items()):
+        group = groups.setdefault((h, p, r, tuple(sorted(buckets))), {})
+        group[v] = prune([*configs, default])
+    return [LikeGroup(h, p, r, b, configs) for (h, p, r, b), configs in groups.items()]
