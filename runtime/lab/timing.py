@@ -18,9 +18,18 @@ def l2_bytes() -> int:
     return int(getattr(props, "L2_cache_size", 50 * 2**20))
 
 
+# Before each timed replay the GPU spins this many cycles (about 50 us at the H100's and H200's 1.98
+# GHz) while the host queues the start event and the replay behind the spin, so the interval holds the
+# graph's GPU time only. Without it the host's launch of each replay (graph.replay(), several us) fell
+# inside the interval, 1/calls_per_graph of it on every call, and a host busy with the tuner's compiles
+# made a few configs look twice as slow as they are (tools/timing_lead.py measures both ways).
+LEAD_CYCLES = 100_000
+
+
 def graph_time_us(fns: list[Callable[[], None]], replays: int = 30, calls_per_graph: int = 20) -> dict:
     """Capture `calls_per_graph` calls cycling through fns (one per input set) in a CUDA graph and
-    time its replays with events. Returns the median and spread per call in microseconds."""
+    time its replays with events, each queued behind a spin of LEAD_CYCLES. Returns the median and
+    spread per call in microseconds."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -38,6 +47,8 @@ def graph_time_us(fns: list[Callable[[], None]], replays: int = 30, calls_per_gr
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if LEAD_CYCLES:
+            torch.cuda._sleep(LEAD_CYCLES)
         a.record()
         graph.replay()
         b.record()
