@@ -1,6 +1,7 @@
-"""How much of a timed interval is the host's launch of the replay: a few bench shapes, the op and
-the copy of its bytes, timed as `bench` times them with the lead spin before each replay
-(timing.LEAD_CYCLES) and without it, round-robin, on one GPU in one process.
+"""How much of a timed interval was the host's launch of the replay: a few bench shapes, the op and
+the copy of its bytes, timed with the lab's method (timing.graph_time_us: replays queued behind
+spins) and with its method before (lead=False: each replay launched after the last one finished),
+round-robin, on one GPU in one process.
 
   python tools/timing_lead.py [--rounds 3] [--replays 20] [--busy 8] [--json out.json]
 
@@ -50,7 +51,6 @@ def main() -> None:
     sys.argv = sys.argv[:1]  # a module imported below parses sys.argv at import time
     from attn_prologue.lab import bench, timing
 
-    lead = timing.LEAD_CYCLES
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
     busy = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(a.busy)]
@@ -66,40 +66,45 @@ def main() -> None:
         )
     for p in busy:
         p.start()
-    rows = {(label, what, cycles): [] for label in cases for what in ("op", "copy") for cycles in (0, lead)}
+    methods = (False, True)  # lead
+    rows = {(label, what, lead): [] for label in cases for what in ("op", "copy") for lead in methods}
     try:
         for _ in range(a.rounds):
             for label, (calls, op, copy) in cases.items():
-                for cycles in (0, lead):
-                    timing.LEAD_CYCLES = cycles
+                for lead in methods:
                     for what, fns in (("op", op), ("copy", copy)):
-                        us = timing.graph_time_us(fns, replays=a.replays, calls_per_graph=calls)["median_us"]
-                        rows[(label, what, cycles)].append(us)
+                        t = timing.graph_time_us(fns, replays=a.replays, calls_per_graph=calls, lead=lead)
+                        rows[(label, what, True)].append(t["median_us"])
     finally:
-        timing.LEAD_CYCLES = lead
         stop.set()
-    out = {"provenance": origin, "lead_cycles": lead, "busy": a.busy, "rounds": a.rounds, "shapes": []}
+    out = {
+        "provenance": origin,
+        "lead_cycles": timing.LEAD_CYCLES,
+        "busy": a.busy,
+        "rounds": a.rounds,
+        "shapes": [],
+    }
     print(f"{'shape':28} {'op us':>8} {'lead':>8} {'copy us':>8} {'lead':>8} {'op/copy':>8} {'lead':>8}")
     for label in cases:
-        med = {(w, c): statistics.median(rows[(label, w, c)]) for w in ("op", "copy") for c in (0, lead)}
+        med = {(w, c): statistics.median(rows[(label, w, c)]) for w in ("op", "copy") for c in methods}
         out["shapes"].append(
             {
                 "shape": label,
-                "op_us": med[("op", 0)],
-                "op_us_lead": med[("op", lead)],
-                "copy_us": med[("copy", 0)],
-                "copy_us_lead": med[("copy", lead)],
+                "op_us": med[("op", False)],
+                "op_us_lead": med[("op", True)],
+                "copy_us": med[("copy", False)],
+                "copy_us_lead": med[("copy", True)],
                 "per_round": {
                     f"{w}_{'lead' if c else 'no_lead'}": rows[(label, w, c)]
                     for w in ("op", "copy")
-                    for c in (0, lead)
+                    for c in methods
                 },
             }
         )
-        r0, r1 = med[("op", 0)] / med[("copy", 0)], med[("op", lead)] / med[("copy", lead)]
+        r0, r1 = med[("op", False)] / med[("copy", False)], med[("op", True)] / med[("copy", True)]
         print(
-            f"{label:28} {med[('op', 0)]:8.3f} {med[('op', lead)]:8.3f} {med[('copy', 0)]:8.3f} "
-            f"{med[('copy', lead)]:8.3f} {r0:8.3f} {r1:8.3f}"
+            f"{label:28} {med[('op', False)]:8.3f} {med[('op', True)]:8.3f} {med[('copy', False)]:8.3f} "
+            f"{med[('copy', True)]:8.3f} {r0:8.3f} {r1:8.3f}"
         )
     if a.json:
         with open(a.json, "w") as f:

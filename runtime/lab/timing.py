@@ -18,18 +18,21 @@ def l2_bytes() -> int:
     return int(getattr(props, "L2_cache_size", 50 * 2**20))
 
 
-# Before each timed replay the GPU spins this many cycles (about 50 us at the H100's and H200's 1.98
-# GHz) while the host queues the start event and the replay behind the spin, so the interval holds the
-# graph's GPU time only. Without it the host's launch of each replay (graph.replay(), several us) fell
-# inside the interval, 1/calls_per_graph of it on every call, and a host busy with the tuner's compiles
-# made a few configs look twice as slow as they are (tools/timing_lead.py measures both ways).
+# Each timed replay is queued behind a GPU spin of this many cycles (about 50 us at the H100's and
+# H200's 1.98 GHz), and the host queues every replay before it waits for any: the host stays ahead of
+# the GPU, so an interval holds the graph's GPU time only. The lab's method before (lead=False) had the
+# host launch each replay after the last one finished: that launch (graph.replay(), several us) fell
+# inside the interval, 1/calls_per_graph of it on every call, and on a host busy with the tuner's
+# compiles a config could time twice as slow as it runs (tools/timing_lead.py measures both methods).
 LEAD_CYCLES = 100_000
 
 
-def graph_time_us(fns: list[Callable[[], None]], replays: int = 30, calls_per_graph: int = 20) -> dict:
+def graph_time_us(
+    fns: list[Callable[[], None]], replays: int = 30, calls_per_graph: int = 20, *, lead: bool = True
+) -> dict:
     """Capture `calls_per_graph` calls cycling through fns (one per input set) in a CUDA graph and
-    time its replays with events, each queued behind a spin of LEAD_CYCLES. Returns the median and
-    spread per call in microseconds."""
+    time its replays with events (lead: queued behind spins, above). Returns the median and spread
+    per call in microseconds."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -44,16 +47,19 @@ def graph_time_us(fns: list[Callable[[], None]], replays: int = 30, calls_per_gr
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    times = []
+    events = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if LEAD_CYCLES:
+        if lead:
             torch.cuda._sleep(LEAD_CYCLES)
         a.record()
         graph.replay()
         b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls_per_graph)
+        if not lead:
+            b.synchronize()
+        events.append((a, b))
+    torch.cuda.synchronize()
+    times = [a.elapsed_time(b) * 1000 / calls_per_graph for a, b in events]
     return {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times)}
 
 
