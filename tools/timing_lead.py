@@ -74,7 +74,7 @@ def main() -> None:
                 for lead in methods:
                     for what, fns in (("op", op), ("copy", copy)):
                         t = timing.graph_time_us(fns, replays=a.replays, calls_per_graph=calls, lead=lead)
-                        rows[(label, what, True)].append(t["median_us"])
+                        rows[(label, what, lead)].append(t["median_us"])
     finally:
         stop.set()
     out = {
