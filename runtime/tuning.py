@@ -304,7 +304,7 @@ def _nearest_heads(
 
 
 def shipped_database_path() -> Path:
-    return Path(str(resources.files("attn_prologue") / "data" / "tuning_h200.json"))
+    return Path(str(resources.files("attn_prologue") / "data" / "tuning.json"))
 
 
 def database_path() -> Path:
