@@ -154,6 +154,7 @@ def build_parser() -> o.Parser:
         "--plot-dir", help="write one PNG per variant: GB/s per config across buckets (default: none)"
     )
     s.add_argument("--json", help=f"write every timing here {NOT_WRITTEN}")
+    s.set_defaults(parser_defaults=vars(s.parse_args([])))  # what `tune --like` tells given options by
 
     _simulate(sub)
 

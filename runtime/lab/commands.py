@@ -208,10 +208,7 @@ _LIKE_TAKES = ("buckets", "max_tokens", "space", "configs", "heads", "padded_hea
 
 def _like_source(args) -> list[dict]:
     """`tune --like DB`: DB's entries, once the options it replaces were checked to be unset."""
-    from ..cli.parser import build_parser
-
-    defaults = vars(build_parser().parse_args(["tune"]))
-    given = [f"--{k.replace('_', '-')}" for k in _LIKE_TAKES if getattr(args, k) != defaults[k]]
+    given = [f"--{k.replace('_', '-')}" for k in _LIKE_TAKES if getattr(args, k) != args.parser_defaults[k]]
     if given:
         raise InputError(f"tune --like takes {', '.join(given)} from its database: give them without --like")
     if not Path(args.like).is_file():
