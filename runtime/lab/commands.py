@@ -144,7 +144,7 @@ def run_tune(args) -> int:
     default = arch.default_config
     if like is not None:
         try:
-            plan = [(g, g.configs) for g in tune.like_groups(like, names, default, args.like_gpu)]
+            plan = tune.like_groups(like, names, default, args.like_gpu)
         except ValueError as exc:
             raise InputError(f"tune --like {args.like}: {exc}") from None
     else:
@@ -154,26 +154,26 @@ def run_tune(args) -> int:
             configs = all_configs() if args.space == "full" else list(tune.DEFAULT_SPACE)
         configs.append(default)  # the heuristic's choice is always a candidate (prune drops a repeat)
         buckets = args.buckets or tuning.default_buckets(args.max_tokens)
-        shape = tune.LikeGroup(args.heads, args.padded_heads, args.compress_ratio, tuple(buckets), {})
-        plan = [(shape, dict.fromkeys(names, tune.prune(configs)))]
+        configs = dict.fromkeys(names, tune.prune(configs))
+        plan = [tune.SweepPlan(args.heads, args.padded_heads, args.compress_ratio, tuple(buckets), configs)]
     origin = provenance()
     env = tuning.current_environment()
     sweeps, new, default_us = [], [], []
-    for shape, configs in plan:
-        variants, buckets = list(configs), list(shape.buckets)
+    for sweep_plan in plan:
+        variants, buckets = list(sweep_plan.configs), list(sweep_plan.buckets)
         print(
-            f"tune: {len(variants)} variants x {max(map(len, configs.values()))} configs x {len(buckets)} buckets"
-            f" (H={shape.heads}, P={shape.padded_heads}, compress ratio {shape.compress_ratio})"
+            f"tune: {len(variants)} variants x {max(map(len, sweep_plan.configs.values()))} configs x {len(buckets)} buckets"
+            f" (H={sweep_plan.heads}, P={sweep_plan.padded_heads}, compress ratio {sweep_plan.compress_ratio})"
             f" on {torch.cuda.get_device_name()} ({target})"
         )
         sweep = tune.run(
-            variants, buckets, configs, h=shape.heads, p=shape.padded_heads, compress_ratio=shape.compress_ratio,
-            jobs=args.jobs, replays=args.replays,
+            variants, buckets, sweep_plan.configs, h=sweep_plan.heads, p=sweep_plan.padded_heads,
+            compress_ratio=sweep_plan.compress_ratio, jobs=args.jobs, replays=args.replays,
         )  # fmt: skip
         sweeps.append(sweep)
         made = tune.entries(
-            sweep, variants, buckets, env, shape.heads, shape.padded_heads, provenance=origin,
-            compress_ratio=shape.compress_ratio,
+            sweep, variants, buckets, env, sweep_plan.heads, sweep_plan.padded_heads, provenance=origin,
+            compress_ratio=sweep_plan.compress_ratio,
         )  # fmt: skip
         new += made
         default_us += [
@@ -193,11 +193,17 @@ def run_tune(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(tune.document(sweeps, env, default, origin), indent=1))
     if args.plot_dir:
-        for (shape, configs), sweep in zip(plan, sweeps):
-            for v in configs:
+        for sweep_plan, sweep in zip(plan, sweeps):
+            # a variant is in one sweep per (H, P, compress ratio): several under --like
+            tag = (
+                ""
+                if len(plan) == 1
+                else f"_h{sweep_plan.heads}_p{sweep_plan.padded_heads}_r{sweep_plan.compress_ratio}"
+            )
+            for v in sweep_plan.configs:
                 plots.tune_plot(
-                    sweep, v, list(shape.buckets), shape.heads, shape.padded_heads,
-                    Path(args.plot_dir) / f"tune_{v}.png",
+                    sweep, v, list(sweep_plan.buckets), sweep_plan.heads, sweep_plan.padded_heads,
+                    Path(args.plot_dir) / f"tune_{v}{tag}.png",
                 )  # fmt: skip
     return 0
 

@@ -274,19 +274,19 @@ def document(sweeps: Sweep | list[Sweep], env, default: LaunchConfig, provenance
 
 
 @dataclass(frozen=True)
-class LikeGroup:
-    """One sweep of `tune --like`: the calls a source database's entries were tuned at."""
+class SweepPlan:
+    """One sweep: the head counts, compress ratio and buckets it times, and each variant's configs."""
 
     heads: int
     padded_heads: int
     compress_ratio: int
     buckets: tuple[int, ...]
-    configs: dict  # variant -> the configs the source chose for it at any of those buckets, and the default
+    configs: dict  # variant -> its configs
 
 
 def like_groups(
     source: list[dict], names: list[str], default: LaunchConfig, gpu: str | None = None
-) -> list[LikeGroup]:
+) -> list[SweepPlan]:
     """The sweeps that re-time here what another GPU's tuning chose: for each (heads, heads written,
     compress ratio, buckets) of the source entries of `names`, each variant over the configs chosen
     for it at that shape plus `default`. Entries of several GPUs need `gpu` to say which one to follow
@@ -314,4 +314,4 @@ def like_groups(
     for (h, p, r, v), (buckets, configs) in sorted(shapes.items()):
         group = groups.setdefault((h, p, r, tuple(sorted(buckets))), {})
         group[v] = prune([*configs, default])
-    return [LikeGroup(h, p, r, b, configs) for (h, p, r, b), configs in groups.items()]
+    return [SweepPlan(h, p, r, b, configs) for (h, p, r, b), configs in groups.items()]
