@@ -52,6 +52,13 @@ log = logging.getLogger("attn_prologue.tuning")
 _NOTED: set[str] = set()
 
 
+def entry_shape(e: dict) -> tuple[int, int, int]:
+    """(heads, heads written, compress ratio) an entry was tuned at; older entries leave out what
+    was then the only value (64 heads, written as many, ratio 1)."""
+    heads = int(e.get("heads", DEFAULT_HEADS))
+    return heads, int(e.get("padded_heads", heads)), int(e.get("compress_ratio", 1))
+
+
 def bucket_of(n_tokens: int) -> int:
     """The power of two >= n_tokens (1 for 0): token counts share the entry of their bucket."""
     b = 1
@@ -190,13 +197,7 @@ class TuningDatabase:
         """New entries replace old ones with the same environment, variant, bucket and head counts."""
 
         def ident(e):
-            return tuple(e.get(f) for f in MATCH_FIELDS) + (
-                e["variant"],
-                e["bucket"],
-                e.get("heads", DEFAULT_HEADS),
-                e.get("padded_heads", e.get("heads", DEFAULT_HEADS)),
-                e.get("compress_ratio", 1),
-            )
+            return (*(e.get(f) for f in MATCH_FIELDS), e["variant"], e["bucket"], *entry_shape(e))
 
         index = {ident(e): i for i, e in enumerate(self.entries)}
         for e in new_entries:
@@ -221,9 +222,7 @@ class TuningDatabase:
             if diff and not force:
                 mismatched.add((e.get("gpu"), tuple(diff)))
                 continue
-            heads = int(e.get("heads", DEFAULT_HEADS))
-            # (validated on load: positive ints)
-            shape = (heads, int(e.get("padded_heads", heads)), int(e.get("compress_ratio", 1)))
+            shape = entry_shape(e)  # (validated on load: positive ints)
             table.setdefault((e["variant"], int(e["bucket"])), {})[shape] = LaunchConfig.from_key(e["config"])
         if mismatched and not table:
             note = (

@@ -267,11 +267,7 @@ def test_shipped_database_loads_and_names_valid_configs():
     assert db.entries and all(e["capability"] == "9.0" for e in db.entries)
 
     def shapes(gpu):
-        return {
-            (e["variant"], e["bucket"], e.get("heads"), e.get("padded_heads"), e.get("compress_ratio", 1))
-            for e in db.entries
-            if e["gpu"] == gpu
-        }
+        return {(e["variant"], e["bucket"], *tuning.entry_shape(e)) for e in db.entries if e["gpu"] == gpu}
 
     # the H100's entries were re-timed from the H200's (tune --like): one for each of its shapes
     assert {e["gpu"] for e in db.entries} == {"NVIDIA H200", "NVIDIA H100 80GB HBM3"}

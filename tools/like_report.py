@@ -17,6 +17,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from attn_prologue.tuning import entry_shape
+
 
 def _load(path: Path) -> dict:
     opener = gzip.open if path.suffix == ".gz" else open
@@ -32,13 +34,7 @@ def report(sweep: dict, database: dict, source_gpu: str) -> dict:
             t["config"]
         ] = t["us"]
     chose = {
-        (
-            e["variant"],
-            e["bucket"],
-            e.get("heads", 64),
-            e.get("padded_heads", e.get("heads", 64)),
-            e.get("compress_ratio", 1),
-        ): e["config"]
+        (e["variant"], e["bucket"], *entry_shape(e)): e["config"]
         for e in database["entries"]
         if e["gpu"] == source_gpu
     }

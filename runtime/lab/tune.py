@@ -305,8 +305,7 @@ def like_groups(
         )
     shapes: dict = {}  # (heads, written, ratio, variant) -> (buckets, configs in first-seen order)
     for e in sorted(mine, key=lambda e: e["bucket"]):
-        heads = e.get("heads", tuning.DEFAULT_HEADS)
-        key = (heads, e.get("padded_heads", heads), e.get("compress_ratio", 1), e["variant"])
+        key = (*tuning.entry_shape(e), e["variant"])
         buckets, configs = shapes.setdefault(key, (set(), {}))
         buckets.add(e["bucket"])
         configs[LaunchConfig.from_key(e["config"])] = None

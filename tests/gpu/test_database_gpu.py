@@ -34,8 +34,8 @@ def shipped_choices() -> list[tuple[str, str, int, int, int, int]]:
     """(variant, config, compress ratio, heads, heads written, largest bucket it was picked for)."""
     largest: dict[tuple, int] = {}
     for e in tuning.TuningDatabase.load(tuning.shipped_database_path()).entries:
-        heads = e.get("heads", tuning.DEFAULT_HEADS)
-        key = (e["variant"], e["config"], e.get("compress_ratio", 1), heads, e.get("padded_heads", heads))
+        heads, written, ratio = tuning.entry_shape(e)
+        key = (e["variant"], e["config"], ratio, heads, written)
         largest[key] = max(largest.get(key, 0), e["bucket"])
     return [(*key, bucket) for key, bucket in sorted(largest.items())]
 
