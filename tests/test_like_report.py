@@ -39,7 +39,7 @@ def test_report_on_a_hand_made_sweep():
 
 def test_the_committed_h100_run_says_what_docs_tuning_md_says():
     sweep = like_report._load(REPO / "results" / "tune-like-h100.json.gz")
-    database = like_report._load(REPO / "runtime" / "data" / "tuning.json")
+    database = like_report._load(REPO / "results" / "tune-like-h100-source.json.gz")  # what --like followed
     r = like_report.report(sweep, database, "NVIDIA H200")
     assert (r["shapes"], r["source_choice_fastest"]) == (171, 55)
     assert r["source_choice"] == {"median": 1.017, "p90": 1.34, "geomean": 1.09}

@@ -2,7 +2,7 @@
 database it followed, per shape (module, bucket, heads, heads written, compress ratio) the time of
 the source's choice and of the arch default, each over the fastest config timed there.
 
-  python tools/like_report.py results/tune-like-h100.json.gz runtime/data/tuning.json --source-gpu "NVIDIA H200"
+  python tools/like_report.py results/tune-like-h100.json.gz results/tune-like-h100-source.json.gz --source-gpu "NVIDIA H200"
 
 (docs/tuning.md quotes its output for the shipped H100 entries.)
 """
@@ -71,7 +71,9 @@ def report(sweep: dict, database: dict, source_gpu: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sweep", type=Path, help="a `tune --like --json` file (.json or .json.gz)")
-    ap.add_argument("database", type=Path, help="the tuning database --like followed")
+    ap.add_argument(
+        "database", type=Path, help="the tuning database --like followed, as it was then (.json or .json.gz)"
+    )
     ap.add_argument("--source-gpu", default="NVIDIA H200", help="whose entries --like followed")
     a = ap.parse_args()
     print(json.dumps(report(_load(a.sweep), _load(a.database), a.source_gpu), indent=1))
