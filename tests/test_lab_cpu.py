@@ -361,6 +361,36 @@ def test_result_documents_carry_their_provenance():
         "padded_heads": 64,
         "compress_ratio": 4,
     }
+    assert "like" not in both  # a plain sweep follows no database
+    # under --like, the choices followed: one per entry, with its shape (an entry without heads: 64)
+    source = [
+        {"gpu": "G", "variant": "w", "bucket": 8, "config": "k2", "compress_ratio": 4},
+        {"gpu": "G", "variant": "w", "bucket": 1, "config": "k1", "heads": 8, "padded_heads": 16},
+    ]
+    followed = tune.like_record("db.json", tune.like_followed(source, ["w"]))
+    liked = tune.document([r4], ENV, LaunchConfig(4, 1, True, True), ORIGIN, followed)
+    assert liked["like"] == {
+        "database": "db.json",
+        "gpu": "G",
+        "choices": [
+            {
+                "heads": 8,
+                "padded_heads": 16,
+                "compress_ratio": 1,
+                "variant": "w",
+                "bucket": 1,
+                "config": "k1",
+            },
+            {
+                "heads": 64,
+                "padded_heads": 64,
+                "compress_ratio": 4,
+                "variant": "w",
+                "bucket": 8,
+                "config": "k2",
+            },
+        ],
+    }
 
 
 @pytest.mark.parametrize("op", ["qkv", "kv", "kv_norm"])

@@ -35,6 +35,12 @@ def test_report_on_a_hand_made_sweep():
     # default over fastest: 2.0 and 1.0; source over default: 0.5 and 1.5 (slower at one, by > 5%)
     assert r["arch_default"]["median"] == 1.5
     assert r["source_over_default"] == {"geomean": 0.87, "slower": 1, "slower_by_5pct": 1, "worst": 1.5}
+    # a sweep that kept its `like` record needs no database: the same choices give the same report
+    liked = {**sweep, "like": {"gpu": "G", "choices": [
+        {"variant": "v", "bucket": 1, "heads": 64, "padded_heads": 64, "compress_ratio": 1, "config": "A"},
+        {"variant": "v", "bucket": 2, "heads": 64, "padded_heads": 64, "compress_ratio": 1, "config": "B"},
+    ]}}  # fmt: skip
+    assert like_report.report(liked) == r
 
 
 def test_the_committed_h100_run_says_what_docs_tuning_md_says():

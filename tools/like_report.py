@@ -1,8 +1,9 @@
-"""How another GPU's tuning choices fared on this one: from a `tune --like --json` file and the
-database it followed, per shape (module, bucket, heads, heads written, compress ratio) the time of
+"""How another GPU's tuning choices fared on this one: from a `tune --like --json` file (and, for a
+file without a `like` record, the database it followed), per shape (module, bucket, heads, heads written, compress ratio) the time of
 the source's choice and of the arch default, each over the fastest config timed there.
 
   python tools/like_report.py results/tune-like-h100.json.gz results/tune-like-h100-source.json.gz --source-gpu "NVIDIA H200"
+  python tools/like_report.py NEW_RUN.json   # a run that kept its `like` record
 
 (docs/tuning.md quotes its output for the shipped H100 entries.)
 """
@@ -26,8 +27,15 @@ def _load(path: Path) -> dict:
         return json.load(f)
 
 
-def report(sweep: dict, database: dict, source_gpu: str) -> dict:
-    """The counts and ratio summaries docs/tuning.md states (each ratio: a time over the fastest)."""
+def report(sweep: dict, database: dict | None = None, source_gpu: str | None = None) -> dict:
+    """The counts and ratio summaries docs/tuning.md states (each ratio: a time over the fastest).
+    The source's choices come from the sweep's `like` record, or, in a file written before --like
+    kept one, from `database` (as it was when --like ran) and `source_gpu`."""
+    if "like" in sweep:
+        database = {"entries": [{**c, "gpu": sweep["like"]["gpu"]} for c in sweep["like"]["choices"]]}
+        source_gpu = sweep["like"]["gpu"]
+    elif database is None or source_gpu is None:
+        raise SystemExit("this sweep has no `like` record: give the database it followed and --source-gpu")
     times: dict = defaultdict(dict)
     for t in sweep["timings"]:
         times[(t["variant"], t["bucket"], t["heads"], t["padded_heads"], t["compress_ratio"])][
@@ -72,11 +80,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sweep", type=Path, help="a `tune --like --json` file (.json or .json.gz)")
     ap.add_argument(
-        "database", type=Path, help="the tuning database --like followed, as it was then (.json or .json.gz)"
-    )
-    ap.add_argument("--source-gpu", default="NVIDIA H200", help="whose entries --like followed")
+        "database", type=Path, nargs="?",
+        help="for a sweep without a `like` record: the database --like followed, as it was then",
+    )  # fmt: skip
+    ap.add_argument("--source-gpu", help="with the database: whose entries --like followed")
     a = ap.parse_args()
-    print(json.dumps(report(_load(a.sweep), _load(a.database), a.source_gpu), indent=1))
+    database = _load(a.database) if a.database else None
+    print(json.dumps(report(_load(a.sweep), database, a.source_gpu), indent=1))
 
 
 if __name__ == "__main__":

@@ -145,9 +145,11 @@ def run_tune(args) -> int:
     if like is not None:
         try:
             plan = tune.like_groups(like, names, default, args.like_gpu)
+            followed = tune.like_record(args.like, tune.like_followed(like, names, args.like_gpu))
         except ValueError as exc:
             raise InputError(f"tune --like {args.like}: {exc}") from None
     else:
+        followed = None
         if args.configs:
             configs = list(args.configs)
         else:
@@ -191,7 +193,9 @@ def run_tune(args) -> int:
             print(f"FAILED {v} {key} T={b}: {err}")
     print(f"\ntune: {sum(s.seconds for s in sweeps):.1f}s, {len(new)} entries merged into {db_path}")
     if args.json:
-        Path(args.json).write_text(json.dumps(tune.document(sweeps, env, default, origin), indent=1))
+        Path(args.json).write_text(
+            json.dumps(tune.document(sweeps, env, default, origin, followed), indent=1)
+        )
     if args.plot_dir:
         for sweep_plan, sweep in zip(plan, sweeps):
             # a variant is in one sweep per (H, P, compress ratio): several under --like

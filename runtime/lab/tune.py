@@ -255,11 +255,15 @@ def entries(
     return out
 
 
-def document(sweeps: Sweep | list[Sweep], env, default: LaunchConfig, provenance: dict) -> dict:
+def document(
+    sweeps: Sweep | list[Sweep], env, default: LaunchConfig, provenance: dict, followed: dict | None = None
+) -> dict:
     """What `tune --json` writes: every timing (inf for a failure) with the heads, heads written and
-    compress ratio it was timed at, and the failures' reasons."""
+    compress ratio it was timed at, and the failures' reasons; under `--like`, `followed` (`like_record`:
+    the source's choices, so that the file alone says how they fared)."""
     sweeps = [sweeps] if isinstance(sweeps, Sweep) else sweeps
     return {
+        **({"like": followed} if followed is not None else {}),
         "provenance": provenance,
         "seconds": sum(s.seconds for s in sweeps),
         "env": env.as_dict(),
@@ -273,6 +277,20 @@ def document(sweeps: Sweep | list[Sweep], env, default: LaunchConfig, provenance
     }
 
 
+def like_record(database: str, entries: list[dict]) -> dict:
+    """The `like` object of a `tune --like --json` file: the database followed, its GPU and the
+    (variant, bucket, heads, heads written, compress ratio) -> config choices followed."""
+    return {
+        "database": database,
+        "gpu": entries[0]["gpu"],
+        "choices": [
+            dict(zip(("heads", "padded_heads", "compress_ratio"), tuning.entry_shape(e)),
+                 variant=e["variant"], bucket=e["bucket"], config=e["config"])
+            for e in sorted(entries, key=lambda e: (e["variant"], tuning.entry_shape(e), e["bucket"]))
+        ],
+    }  # fmt: skip
+
+
 @dataclass(frozen=True)
 class SweepPlan:
     """One sweep: the head counts, compress ratio and buckets it times, and each variant's configs."""
@@ -284,13 +302,9 @@ class SweepPlan:
     configs: dict  # variant -> its configs
 
 
-def like_groups(
-    source: list[dict], names: list[str], default: LaunchConfig, gpu: str | None = None
-) -> list[SweepPlan]:
-    """The sweeps that re-time here what another GPU's tuning chose: for each (heads, heads written,
-    compress ratio, buckets) of the source entries of `names`, each variant over the configs chosen
-    for it at that shape plus `default`. Entries of several GPUs need `gpu` to say which one to follow
-    (a ValueError names them); no entry for `names` is a ValueError too."""
+def like_followed(source: list[dict], names: list[str], gpu: str | None = None) -> list[dict]:
+    """The source entries `tune --like` follows: those of `names` on one GPU. Entries of several GPUs
+    need `gpu` to say which one (a ValueError names them); no entry for `names` is a ValueError too."""
     mine = [e for e in source if e["variant"] in names]
     gpus = sorted({e["gpu"] for e in mine})
     if gpu is not None:
@@ -303,6 +317,16 @@ def like_groups(
         raise ValueError(
             f"the source database has no entry for these variants{f' on {gpu}' if gpu else ''} (it has {gpus})"
         )
+    return mine
+
+
+def like_groups(
+    source: list[dict], names: list[str], default: LaunchConfig, gpu: str | None = None
+) -> list[SweepPlan]:
+    """The sweeps that re-time here what another GPU's tuning chose: for each (heads, heads written,
+    compress ratio, buckets) of the entries `like_followed` picks, each variant over the configs
+    chosen for it at that shape plus `default`."""
+    mine = like_followed(source, names, gpu)
     shapes: dict = {}  # (heads, written, ratio, variant) -> (buckets, configs in first-seen order)
     for e in sorted(mine, key=lambda e: e["bucket"]):
         key = (*tuning.entry_shape(e), e["variant"])
