@@ -58,6 +58,12 @@ def run(command: str, cwd: Path, env: dict) -> dict:
     }
 
 
+def _shown(path: Path) -> str:
+    """A path as the record shows it: relative to the repository when inside it (results/...)."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="where to write the record")
@@ -111,7 +117,7 @@ def main() -> int:
             "fresh": "a git clone of HEAD, a new virtual environment, an empty ATTN_PROLOGUE_CACHE",
             "concurrent_build": beside_main if beside is not None else None,
             "steps": steps,
-            "tests_record": str(tests_json.relative_to(REPO)) if len(steps) == 3 else None,
+            "tests_record": _shown(tests_json) if len(steps) == 3 else None,
             "passed": all(s["returncode"] == 0 for s in steps) and len(steps) == 3,
         }
     Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
