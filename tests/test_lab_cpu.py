@@ -209,7 +209,7 @@ def test_tune_like_retimes_each_shape_over_what_the_source_chose():
         entry(kv, 8192, "w8_u1_pdl1_nc1_cs_lq_d", compress_ratio=4),
         entry("kv_d128r64_fp8_token_bf16_sm90", 1, "w2_u1_pdl1_nc1"),  # not among the names
     ]
-    groups = tune.like_groups(source, [qkv, kv], default)
+    groups = tune.like_groups(tune.like_followed(source, [qkv, kv]), default)
     got = {(g.heads, g.padded_heads, g.compress_ratio, g.buckets): g.configs for g in groups}
     assert got == {
         (8, 64, 1, (1,)): {qkv: [LaunchConfig.from_key("w8_u1_pdl1_nc1"), default]},
@@ -222,11 +222,11 @@ def test_tune_like_retimes_each_shape_over_what_the_source_chose():
     # entries of two GPUs: the source to follow is named, or the call is refused
     two = [*source, entry(qkv, 1, "w16_u1_pdl1_nc1", gpu="NVIDIA H100 80GB HBM3", heads=64, padded_heads=64)]
     with pytest.raises(ValueError, match="2 GPUs"):
-        tune.like_groups(two, [qkv], default)
-    (h100,) = tune.like_groups(two, [qkv], default, gpu="NVIDIA H100 80GB HBM3")
+        tune.like_followed(two, [qkv])
+    (h100,) = tune.like_groups(tune.like_followed(two, [qkv], gpu="NVIDIA H100 80GB HBM3"), default)
     assert h100.buckets == (1,) and h100.configs == {qkv: [LaunchConfig.from_key("w16_u1_pdl1_nc1"), default]}
     with pytest.raises(ValueError, match="no entry"):
-        tune.like_groups(source, ["kv_d512r64_mxfp8_bf16_sm90"], default)
+        tune.like_followed(source, ["kv_d512r64_mxfp8_bf16_sm90"])
 
 
 def test_tune_like_refuses_the_options_it_replaces_before_any_gpu_work(tmp_path):

@@ -144,8 +144,9 @@ def run_tune(args) -> int:
     default = arch.default_config
     if like is not None:
         try:
-            plan = tune.like_groups(like, names, default, args.like_gpu)
-            followed = tune.like_record(args.like, tune.like_followed(like, names, args.like_gpu))
+            followed_entries = tune.like_followed(like, names, args.like_gpu)
+            plan = tune.like_groups(followed_entries, default)
+            followed = tune.like_record(args.like, followed_entries)
         except ValueError as exc:
             raise InputError(f"tune --like {args.like}: {exc}") from None
     else:

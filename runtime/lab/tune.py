@@ -320,15 +320,12 @@ def like_followed(source: list[dict], names: list[str], gpu: str | None = None) 
     return mine
 
 
-def like_groups(
-    source: list[dict], names: list[str], default: LaunchConfig, gpu: str | None = None
-) -> list[SweepPlan]:
+def like_groups(followed: list[dict], default: LaunchConfig) -> list[SweepPlan]:
     """The sweeps that re-time here what another GPU's tuning chose: for each (heads, heads written,
-    compress ratio, buckets) of the entries `like_followed` picks, each variant over the configs
+    compress ratio, buckets) of the `followed` entries (`like_followed`), each variant over the configs
     chosen for it at that shape plus `default`."""
-    mine = like_followed(source, names, gpu)
     shapes: dict = {}  # (heads, written, ratio, variant) -> (buckets, configs in first-seen order)
-    for e in sorted(mine, key=lambda e: e["bucket"]):
+    for e in sorted(followed, key=lambda e: e["bucket"]):
         key = (*tuning.entry_shape(e), e["variant"])
         buckets, configs = shapes.setdefault(key, (set(), {}))
         buckets.add(e["bucket"])
