@@ -17,7 +17,9 @@ namespace no library has defined yet is refused unless `new_namespace=True` (reg
 
 Where vLLM's allocating form returns a new q_padded, ours returns a view of the pool's buffer for
 (device, micro-batch, dtype, P, D): nothing is allocated per call, and the view is valid until the
-next call on that micro-batch. The cache format follows the cache's dtype (`_cache_format`).
+next call on that micro-batch. The cache format follows the cache's dtype (`_cache_format`); the
+parity choices follow the registration's `numerics` (`numerics_by_format`): by default vLLM's preset
+("preset=vllm") for the formats it has an entry for and the format's defaults for the others.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from torch import Tensor
 
 from .. import ops, overlap
 from ..errors import InputError, ScratchError, UnsupportedError
-from ..formats import get_format
+from ..formats import FORMATS, get_format
+from ..parity import Numerics, NumericsError
+from ..presets import PRESETS
 from ..scratch import ScratchPool
 from ..torch_op import check_traced, lazy_bits_kernel, reference_kv, reference_qkv
 from .registration import Registration, check_names
@@ -66,6 +70,13 @@ KV_SCHEMA = (
     "Tensor? fp8_scale, bool kv_mxfp8) -> ()"
 )
 PAD_HEADS = ("written", "zero_once")
+# register()'s default numerics: vLLM's CUDA op's preset ("preset=vllm") for each format it has an
+# entry for (fp8_ds_mla, mxfp8), the format's defaults for every other one (bf16, fp8_tensor and any
+# cache_format of a caller-owned form: no preset covers vLLM's writers of those)
+VLLM_NUMERICS = "vllm"
+# the uint8 records the ops write by their arguments alone (kv_mxfp8 picks one): an explicit numerics
+# must hold for these (and for a caller-owned form's cache_format) when register() is called
+PACKED = ("fp8_ds_mla", "mxfp8")
 
 # every registration made and not closed: a dropped torch.library.Library unregisters its ops (and a
 # later override of them would lose its schema), and an engine may well not keep what register() returns
@@ -117,6 +128,33 @@ def _bind(what: str, spec: tuple[_Arg, ...], args: tuple, kwargs: dict) -> tuple
     return args
 
 
+# ---- the parity choices per format ---------------------------------------------------------------
+def numerics_by_format(numerics, form: str, cache_format: str) -> dict[str, Numerics | None]:
+    """Format name -> the numerics its calls pass (None: the format's defaults), for every format.
+
+    VLLM_NUMERICS (the default): Numerics(preset="vllm") where that preset has an entry, None elsewhere;
+    never refused. Anything else (a Numerics, its string form, or None / "" for the format defaults)
+    applies as given to every format, checked now against the formats the ops write by their
+    arguments alone (PACKED, and a caller-owned form's cache_format): NumericsError before anything
+    is registered. A format reached only through the cache's dtype or fp8_scale (bf16, fp8_tensor)
+    that lacks a choice given raises NumericsError at that call, before anything is written."""
+    if isinstance(numerics, str) and numerics == VLLM_NUMERICS:
+        vllm = Numerics(preset="vllm")
+        covered = PRESETS["vllm"].formats
+        return {name: vllm if name in covered else None for name in FORMATS}
+    n = Numerics.of(numerics)  # NumericsError for a misspelling or another type
+    if n is not None and n.preset is None and not n.given():
+        n = None  # "" or Numerics(): the format defaults, as None
+    for name in PACKED + ((cache_format,) if form != "allocating" else ()):
+        try:
+            get_format(name).resolve_numerics(n)
+        except NumericsError as exc:
+            raise NumericsError(
+                f"register(numerics={numerics!r}): the ops of form {form!r} write {name} records, and {exc}"
+            ) from None
+    return dict.fromkeys(FORMATS, n)
+
+
 # ---- the cache: format and byte pages from its dtype ---------------------------------------------
 def _cache_format(
     cache: Tensor, packed: str, *, kv_mxfp8: bool, fp8_scale: Tensor | None
@@ -163,26 +201,28 @@ def _cache_format(
 
 
 # ---- the two calls every form makes: CUDA = the kernels, CPU = validation + the reference -------
-def _qkv(on_cuda, q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, fmt, *,
+def _qkv(on_cuda, q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, fmt, numerics, *,
          write_pad_heads=True, apply_q_norm=True, apply_q_rope=True, q_layout="head_major") -> None:  # fmt: skip
     if on_cuda:
         ops.qnorm_rope_kv_insert(
             q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, fmt,
-            write_pad_heads=write_pad_heads, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope,
-            q_layout=q_layout,
+            write_pad_heads=write_pad_heads, numerics=numerics, apply_q_norm=apply_q_norm,
+            apply_q_rope=apply_q_rope, q_layout=q_layout,
         )  # fmt: skip
         return
     reference_qkv(
-        q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, fmt, apply_q_norm=apply_q_norm,
-        apply_q_rope=apply_q_rope, q_layout=q_layout, write_pad_heads=write_pad_heads,
+        q_in, kv, q_out, k_cache, slots, positions, cos_sin, eps, block_size, fmt, numerics=numerics,
+        apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope, q_layout=q_layout,
+        write_pad_heads=write_pad_heads,
     )  # fmt: skip
 
 
-def _kv(on_cuda, kv, cache, slots, positions, cos_sin, block_size, fmt, kv_scale) -> None:
+def _kv(on_cuda, kv, cache, slots, positions, cos_sin, block_size, fmt, kv_scale, numerics) -> None:
     if on_cuda:
-        ops.kv_rope_insert(kv, cache, slots, positions, cos_sin, block_size, fmt, kv_scale=kv_scale)
+        ops.kv_rope_insert(kv, cache, slots, positions, cos_sin, block_size, fmt, kv_scale=kv_scale,
+                           numerics=numerics)  # fmt: skip
         return
-    reference_kv(kv, cache, slots, positions, cos_sin, block_size, fmt, kv_scale=kv_scale)
+    reference_kv(kv, cache, slots, positions, cos_sin, block_size, fmt, kv_scale=kv_scale, numerics=numerics)
 
 
 # ---- q_padded of the allocating form: views of the pool ------------------------------------------
@@ -234,11 +274,14 @@ class _Scratch:
 # ---- registration ---------------------------------------------------------------------------------
 class VllmOps:
     """What `register` returns: the plain callables `qkv` (the registered form) and `kv_insert`, the
-    registered ops (`qkv_op`, `kv_op`), and `close()` to unregister them."""
+    registered ops (`qkv_op`, `kv_op`), `numerics_for(cache_format)` (the parity choices that format's
+    calls pass), and `close()` to unregister them."""
 
-    def __init__(self, namespace, form, pool, micro_batch, pad_heads, cache_format, qkv_name, kv_name):
+    def __init__(self, namespace, form, pool, micro_batch, pad_heads, cache_format, qkv_name, kv_name,
+                 numerics: dict[str, Numerics | None]):  # fmt: skip
         self.namespace, self.form, self.pool, self.cache_format = namespace, form, pool, cache_format
         self.names = (qkv_name, kv_name)
+        self._numerics = numerics  # numerics_by_format: format -> the object its calls pass (one per format)
         self._scratch = _Scratch(pool, micro_batch, pad_heads)
         self._empty: dict[tuple, Tensor] = {}
         self._registration: Registration | None = None
@@ -262,15 +305,16 @@ class VllmOps:
             k_cache, "mxfp8" if kv_mxfp8 else "fp8_ds_mla", kv_mxfp8=kv_mxfp8, fp8_scale=None
         )
         if q_head_padded == 0:  # no Q: q is not read
-            _kv(on_cuda, kv, pages, slot_mapping, positions, cos_sin_cache, block_size, fmt, None)
+            _kv(on_cuda, kv, pages, slot_mapping, positions, cos_sin_cache, block_size, fmt, None,
+                self._numerics[fmt])  # fmt: skip
             return self._no_q(kv)
         if q_head_padded < 0:
             raise InputError(f"q_head_padded must be >= 0, got {q_head_padded}")
         layout = "interleaved" if is_q_interleaved else "head_major"
         q_out = self._scratch.view(q, q_head_padded, layout)
         _qkv(on_cuda, q, kv, q_out, pages, slot_mapping, positions, cos_sin_cache, eps, block_size, fmt,
-             write_pad_heads=self._scratch.writes_pads, apply_q_norm=apply_q_norm, apply_q_rope=apply_q_rope,
-             q_layout=layout)  # fmt: skip
+             self._numerics[fmt], write_pad_heads=self._scratch.writes_pads, apply_q_norm=apply_q_norm,
+             apply_q_rope=apply_q_rope, q_layout=layout)  # fmt: skip
         return q_out
 
     def _no_q(self, kv: Tensor) -> Tensor:
@@ -286,18 +330,25 @@ class VllmOps:
                       eps, cache_block_size):  # fmt: skip
         fmt, pages = _cache_format(k_cache, self.cache_format, kv_mxfp8=False, fp8_scale=None)
         _qkv(on_cuda, q_in, kv, q_out, pages, slot_mapping, position_ids, cos_sin_cache, eps,
-             cache_block_size, fmt)  # fmt: skip
+             cache_block_size, fmt, self._numerics[fmt])  # fmt: skip
 
     def _q_out_third(self, on_cuda, q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache,
                      eps, block_size):  # fmt: skip
         fmt, pages = _cache_format(k_cache, self.cache_format, kv_mxfp8=False, fp8_scale=None)
-        _qkv(on_cuda, q_in, kv, q_out, pages, slot_mapping, positions, cos_sin_cache, eps, block_size, fmt)
+        _qkv(on_cuda, q_in, kv, q_out, pages, slot_mapping, positions, cos_sin_cache, eps, block_size, fmt,
+             self._numerics[fmt])  # fmt: skip
 
     def _kv_only(self, on_cuda, kv, cache, slots, positions, cos_sin_cache, block_size, fp8_scale, kv_mxfp8):
         fmt, pages = _cache_format(
             cache, "mxfp8" if kv_mxfp8 else "fp8_ds_mla", kv_mxfp8=kv_mxfp8, fp8_scale=fp8_scale
         )
-        _kv(on_cuda, kv, pages, slots, positions, cos_sin_cache, block_size, fmt, fp8_scale)
+        numerics = self._numerics[fmt]
+        _kv(on_cuda, kv, pages, slots, positions, cos_sin_cache, block_size, fmt, fp8_scale, numerics)
+
+    def numerics_for(self, cache_format: str) -> Numerics | None:
+        """The parity choices this registration's calls pass for a cache format (None: its defaults)."""
+        get_format(cache_format)  # UnknownFormatError for a name that is no format
+        return self._numerics[cache_format]
 
     def _plain(self, part: int) -> Callable:
         name, schema, impl, _ = self._parts[part]
@@ -384,6 +435,7 @@ def register(
     new_namespace: bool = False,
     qkv_name: str = QKV_NAME,
     kv_name: str = KV_NAME,
+    numerics: Numerics | str | None = VLLM_NUMERICS,
 ) -> VllmOps:
     """Define `{namespace}::{qkv_name}` in the schema FORMS[form] and `{namespace}::{kv_name}` (the
     KV-only op), with CPU, CUDA and fake implementations; returns their plain callables.
@@ -398,8 +450,12 @@ def register(
     must take the same argument types in the same order. new_namespace: the namespace is one of
     your own that no library defines; without it, register refuses a namespace no library has
     defined yet (call it after the engine's library has loaded: one loading later fails to define
-    the same names). RegistrationError for a reserved namespace (torch's or ours), a name that is
-    not an identifier, or a taken name."""
+    the same names). numerics: the KV path's parity choices for every call (numerics_by_format): by
+    default VLLM_NUMERICS, vLLM's CUDA op's preset for fp8_ds_mla and mxfp8 and the format's
+    defaults for every format that preset has no entry for; a Numerics or its string form (None or
+    "": the format defaults) applies as given, NumericsError now for a choice the packed formats lack.
+    RegistrationError for a reserved namespace (torch's or ours), a name that is not an identifier,
+    or a taken name."""
     if form not in FORMS:
         raise InputError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
     if pad_heads not in PAD_HEADS:
@@ -409,8 +465,9 @@ def register(
         raise InputError(f"pool must be an attn_prologue.ScratchPool, got {type(pool).__name__}")
     if not isinstance(micro_batch, int) and not callable(micro_batch):
         raise InputError(f"micro_batch must be an int or a callable returning one, got {micro_batch!r}")
+    by_format = numerics_by_format(numerics, form, cache_format)  # NumericsError: nothing registered
     check_names(namespace, (qkv_name, kv_name), new_namespace=new_namespace)
-    out = VllmOps(namespace, form, pool, micro_batch, pad_heads, cache_format, qkv_name, kv_name)
+    out = VllmOps(namespace, form, pool, micro_batch, pad_heads, cache_format, qkv_name, kv_name, by_format)
     try:
         out._register(override)
     except BaseException:
