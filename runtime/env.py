@@ -70,6 +70,7 @@ VARIABLES = {
         Variable("ATTN_PROLOGUE_CACHE_TRUST", _choice("own", "shared"), "own", "`own` or `shared`"),
         Variable("ATTN_PROLOGUE_LOCK_TIMEOUT", _seconds, 900.0, "seconds, finite and > 0"),
         Variable("ATTN_PROLOGUE_NATIVE", _flag, True, "`1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off`"),
+        Variable("ATTN_PROLOGUE_ENGINE_PLUGINS", _flag, True, "a flag, as `ATTN_PROLOGUE_NATIVE`"),
         Variable(
             "ATTN_PROLOGUE_SELFTEST", _choice("auto", "always", "off"), "auto", "`auto`, `always` or `off`"
         ),

@@ -14,6 +14,7 @@ DATA = {"errors", "env", "parity", "presets", "formats", "launch", "variants", "
 SERVING = {
     "tuning", "scratch", "validate", "overlap", "binding", "bound_kv", "launcher", "selftest", "dispatch", "ops", "api", "torch_op",
     "compat",  # other engines' schemas on top of the serving API: nothing of ours imports it
+    "plugins",  # engine plugins on top of the serving API, loaded by the engines' entry points only
     "_exports",  # the package's public names (the package re-exports them)
 }  # fmt: skip
 # wing -> wings it may import

@@ -1,0 +1,113 @@
+"""Engine plugins: our kernels behind a serving engine's own seams (docs/vllm-plugin.md, docs/sglang-plugin.md).
+
+Each engine's plugin module names its seams (an attribute of a module or class, and the parameters
+it expects there) for every engine version it was checked against, and calls `install`. That
+replaces every seam or none: on an unknown version, a missing attribute or a changed signature it
+logs one warning naming the seam and leaves the engine untouched. `ATTN_PROLOGUE_ENGINE_PLUGINS=0`
+turns every plugin off. One log line says what was replaced.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .. import env
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One place of an engine we replace: `module`'s attribute `path` ("Class.method" or "function"),
+    expected to take exactly `parameters`; `make(original)` returns what goes there instead."""
+
+    module: str
+    path: str
+    parameters: tuple[str, ...]
+    make: Callable[[Callable], Callable]
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.path}"
+
+    def resolve(self) -> tuple[object, str, Callable]:
+        """(the object holding the attribute, its name, its current value); ImportError or
+        AttributeError when the engine has no such thing."""
+        owner = importlib.import_module(self.module)
+        *outer, attr = self.path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        return owner, attr, inspect.getattr_static(owner, attr)
+
+
+@dataclass
+class Installed:
+    """What one install() replaced: (owner, attribute, original) per seam, to put back."""
+
+    engine: str
+    version: str
+    replaced: list[tuple[object, str, object]] = field(default_factory=list)
+    seams: list[str] = field(default_factory=list)  # the Seam.name of each, in order
+
+    def uninstall(self) -> None:
+        """Put every original back (tests; an engine never needs it)."""
+        for owner, attr, original in reversed(self.replaced):
+            setattr(owner, attr, original)
+        self.replaced.clear()
+        self.seams.clear()
+
+
+def engine_version(distribution: str) -> str | None:
+    """The installed version of an engine's distribution, without its local part ("0.33.0+cu130" is
+    "0.33.0"), or None when it is not installed."""
+    try:
+        return importlib.metadata.version(distribution).split("+")[0]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _parameters(value) -> tuple[str, ...]:
+    function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+    return tuple(inspect.signature(function).parameters)
+
+
+def install(
+    engine: str, version: str | None, seams_by_version: dict[str, tuple[Seam, ...]], log: logging.Logger
+) -> Installed | None:
+    """Replace every seam of `seams_by_version[version]`, or none (module docstring)."""
+    if not env.get("ATTN_PROLOGUE_ENGINE_PLUGINS"):
+        log.info("attn_prologue: ATTN_PROLOGUE_ENGINE_PLUGINS is off; %s left untouched", engine)
+        return None
+    seams = seams_by_version.get(version or "")
+    if seams is None:
+        log.warning(
+            "attn_prologue: %s %s is not a version this plugin was checked against (%s); %s left untouched",
+            engine, version or "(not installed)", ", ".join(seams_by_version), engine,
+        )  # fmt: skip
+        return None
+    found = []
+    for seam in seams:
+        try:
+            owner, attr, current = seam.resolve()
+            have = _parameters(current)
+        except (ImportError, AttributeError, TypeError, ValueError) as exc:
+            log.warning("attn_prologue: %s %s has no seam %s (%s); %s left untouched",
+                        engine, version, seam.name, exc, engine)  # fmt: skip
+            return None
+        if have != seam.parameters:
+            log.warning(
+                "attn_prologue: %s %s seam %s takes (%s), expected (%s); %s left untouched",
+                engine, version, seam.name, ", ".join(have), ", ".join(seam.parameters), engine,
+            )  # fmt: skip
+            return None
+        found.append((seam, owner, attr, current))
+    done = Installed(engine, version)
+    for seam, owner, attr, current in found:
+        setattr(owner, attr, seam.make(current))
+        done.replaced.append((owner, attr, current))
+        done.seams.append(seam.name)
+    log.info("attn_prologue: replaced in %s %s: %s", engine, version, ", ".join(done.seams))
+    return done
