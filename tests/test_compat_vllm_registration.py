@@ -5,6 +5,7 @@ namespaces and malformed names, registrations of one name closed in either order
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
@@ -283,3 +284,17 @@ def test_the_plain_callables_show_the_schema_s_arguments_to_help(registered):
     r = registered("q_out_second")
     assert list(inspect.signature(r.qkv).parameters) == [a.name for a in r.qkv_op.default._schema.arguments]
     assert list(inspect.signature(r.kv_insert).parameters)[:2] == ["kv", "cache"]
+
+
+_kv_only_names = itertools.count()
+
+
+def test_kv_only_registers_the_kv_op_alone():
+    ns = f"kv_only_{next(_kv_only_names)}"
+    r = vllm.register(ns, kv_only=True, new_namespace=True)
+    try:
+        assert r.qkv is None and r.qkv_op is None and r.kv_op is not None
+        assert hasattr(getattr(torch.ops, ns), vllm.KV_NAME)
+        assert not hasattr(getattr(torch.ops, ns), vllm.QKV_NAME)
+    finally:
+        r.close()

@@ -278,7 +278,7 @@ class VllmOps:
     calls pass), and `close()` to unregister them."""
 
     def __init__(self, namespace, form, pool, micro_batch, pad_heads, cache_format, qkv_name, kv_name,
-                 numerics: dict[str, Numerics | None]):  # fmt: skip
+                 numerics: dict[str, Numerics | None], kv_only: bool = False):  # fmt: skip
         self.namespace, self.form, self.pool, self.cache_format = namespace, form, pool, cache_format
         self.names = (qkv_name, kv_name)
         self._numerics = numerics  # numerics_by_format: format -> the object its calls pass (one per format)
@@ -290,12 +290,12 @@ class VllmOps:
             "q_out_second": self._q_out_second,
             "q_out_third": self._q_out_third,
         }
-        self._parts = (
-            (qkv_name, FORMS[form], impls[form], _FAKES[form]),
-            (kv_name, KV_SCHEMA, self._kv_only, _fake_kv),
-        )
-        self.qkv = self._plain(0)
-        self.kv_insert = self._plain(1)
+        self._parts = {  # part -> (name, schema, implementation, fake); kv_only: the KV-only op alone
+            **({} if kv_only else {"qkv": (qkv_name, FORMS[form], impls[form], _FAKES[form])}),
+            "kv": (kv_name, KV_SCHEMA, self._kv_only, _fake_kv),
+        }
+        self.qkv = None if kv_only else self._plain("qkv")
+        self.kv_insert = self._plain("kv")
         self.qkv_op = self.kv_op = None
 
     # the forms, in their schema's argument order after `on_cuda`
@@ -350,13 +350,13 @@ class VllmOps:
         get_format(cache_format)  # UnknownFormatError for a name that is no format
         return self._numerics[cache_format]
 
-    def _plain(self, part: int) -> Callable:
+    def _plain(self, part: str) -> Callable:
         name, schema, impl, _ = self._parts[part]
         spec, what = _spec(schema), f"{self.namespace}::{name}"
 
         def call(*args, **kwargs):
             if torch.compiler.is_compiling():  # traced: the registered op (its fake gives the shapes)
-                return (self.qkv_op, self.kv_op)[part](*args, **kwargs)
+                return getattr(self, f"{part}_op")(*args, **kwargs)
             values = _bind(what, spec, args, kwargs)
             # like the dispatcher: any CUDA tensor argument selects the kernels
             return impl(any(isinstance(v, Tensor) and v.is_cuda for v in values), *values)
@@ -370,7 +370,7 @@ class VllmOps:
 
     def _register(self, override: bool) -> None:
         self._registration = Registration(self.namespace)
-        for name, schema, impl, fake in self._parts:
+        for part, (name, schema, impl, fake) in self._parts.items():
             kernels = {
                 "CPU": lambda *a, _impl=impl: _impl(False, *a),
                 "CUDA": lambda *a, _impl=impl: _impl(True, *a),
@@ -378,7 +378,7 @@ class VllmOps:
             self._registration.add(name, schema, kernels, fake, override=override)
             lazy = lazy_bits_kernel(getattr(getattr(torch.ops, self.namespace), name).default)
             self._registration.add_kernels(name, {"Negative": lazy, "Conjugate": lazy})
-        self.qkv_op, self.kv_op = (getattr(getattr(torch.ops, self.namespace), n) for n in self.names)
+            setattr(self, f"{part}_op", getattr(getattr(torch.ops, self.namespace), name))
 
     def close(self) -> None:
         """Unregister our kernels (an op this registration overrode gets the kernels it had before back;
@@ -436,6 +436,7 @@ def register(
     qkv_name: str = QKV_NAME,
     kv_name: str = KV_NAME,
     numerics: Numerics | str | None = VLLM_NUMERICS,
+    kv_only: bool = False,
 ) -> VllmOps:
     """Define `{namespace}::{qkv_name}` in the schema FORMS[form] and `{namespace}::{kv_name}` (the
     KV-only op), with CPU, CUDA and fake implementations; returns their plain callables.
@@ -454,6 +455,7 @@ def register(
     default VLLM_NUMERICS, vLLM's CUDA op's preset for fp8_ds_mla and mxfp8 and the format's
     defaults for every format that preset has no entry for; a Numerics or its string form (None or
     "": the format defaults) applies as given, NumericsError now for a choice the packed formats lack.
+    kv_only: register the KV-only op alone (the fused op's name is left as it is; `qkv` is None).
     RegistrationError for a reserved namespace (torch's or ours), a name that is not an identifier,
     or a taken name."""
     if form not in FORMS:
@@ -466,8 +468,9 @@ def register(
     if not isinstance(micro_batch, int) and not callable(micro_batch):
         raise InputError(f"micro_batch must be an int or a callable returning one, got {micro_batch!r}")
     by_format = numerics_by_format(numerics, form, cache_format)  # NumericsError: nothing registered
-    check_names(namespace, (qkv_name, kv_name), new_namespace=new_namespace)
-    out = VllmOps(namespace, form, pool, micro_batch, pad_heads, cache_format, qkv_name, kv_name, by_format)
+    check_names(namespace, (kv_name,) if kv_only else (qkv_name, kv_name), new_namespace=new_namespace)
+    out = VllmOps(namespace, form, pool, micro_batch, pad_heads, cache_format, qkv_name, kv_name, by_format,
+                  kv_only)  # fmt: skip
     try:
         out._register(override)
     except BaseException:
