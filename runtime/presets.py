@@ -49,6 +49,7 @@ class Preset:
 
 VLLM_CUDA = "vllm-project/vllm csrc/libtorch_stable/fused_deepseek_v4_qnorm_rope_kv_insert_kernel.cu"
 VLLM_V41 = "vllm-project/vllm vllm/models/deepseek_v41/common/ops/"
+SGLANG_JIT = "sgl-project/sglang python/sglang/kernels/jit/"
 # Triton's tl.clamp(x, -c, c) with constant c is min.xorsign.abs.f32 on sm_90+ (triton-lang/triton
 # third_party/nvidia/lib/TritonNVIDIAGPUToLLVM/ElementwiseOpToLLVM.cpp @0043a8d8, isClipPattern):
 # a NaN becomes +c with the NaN's sign, and the multiply before it leaves the canonical +NaN.
@@ -162,8 +163,27 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "sglang",
-            "SGLang's V4.1 row writers (kv_layout.cuh store_row_fp8 / store_row_fp4)",
+            "SGLang's V4 writers (store.cuh, main_norm_rope.cuh) and V4.1 row writers (kv_layout.cuh)",
             {
+                "fp8_ds_mla": PresetEntry(
+                    Numerics(e4m3_nan=E4m3Nan.POS_MAX, inf_scale=InfScale.OVERFLOW, scale_pad=ScalePad.SKIP),
+                    f"{SGLANG_JIT}csrc/deepseek_v4/store.cuh @v0.5.23 (read from the sglang-0.5.23 wheel; the V4 "
+                    "branch of fused_store_cache, the same rule as main_norm_rope.cuh's V4 branch): "
+                    "fmaxf(1e-4, amax) / 448, the UE8M0 byte from its bits rounded up (fp8_utils.cuh "
+                    "cast_to_ue8m0), pack_fp8's fmaxf(fminf(x * 2^-e, 448), -448), scale bytes 0..6 written "
+                    "and the pad byte not",
+                    {
+                        "Inf": "a block holding Inf gets byte 255 as here, but its reciprocal scale, built from "
+                        "bits as 2^(127 - 255), is -Inf: finite values become -+448 (the sign flipped), zeros "
+                        "and NaN +448 (here x * 0: +-0, and Inf -> NaN -> 0x7E)",
+                        "finite": "kv_norm op only: SGLang's fused V4 writer (main_norm_rope.cuh "
+                        "fused_k_norm_rope_flashmla) rotates and quantizes the float32 normed row, not the bf16 "
+                        "one, so about 3% of the NoPE bytes and a third of the rope values differ; its "
+                        "bf16-sourced path (SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE=1: fused_norm_rope.cuh, then "
+                        "store.cuh) rounds as here, but for the norm's rsqrtf (approximate): a normed value "
+                        "can round to the neighbouring bf16",
+                    },
+                ),
                 "mxfp8": PresetEntry(
                     Numerics(scale_floor=ScaleFloor.SCALE),
                     "sgl-project/sglang python/sglang/kernels/jit/include/sgl_kernel/deepseek_v4/kv_layout.cuh "
@@ -171,6 +191,9 @@ PRESETS: dict[str, Preset] = {
                     {
                         "Inf": "the exponent is taken from +Inf's bits: byte 247 (SGLang documents NaN / Inf "
                         "inputs as not handled)",
+                        "NaN": "a block whose values are all NaN (every block of a row the kv_norm op normalizes "
+                        "with a NaN in it) takes its exponent from NaN's bits, byte 247 or 248 by the NaN's "
+                        "payload (here 114)",
                     },
                 ),
                 "nvfp4_v41": PresetEntry(

@@ -5,6 +5,9 @@ it expects there) for every engine version it was checked against, and calls `in
 replaces every seam or none: on an unknown version, a missing attribute or a changed signature it
 logs one warning naming the seam and leaves the engine untouched. `ATTN_PROLOGUE_ENGINE_PLUGINS=0`
 turns every plugin off. One log line says what was replaced.
+
+A replacement is put in place by `setattr` unless the plugin passes `put` (SGLang's plugin hands each
+one to SGLang's own HookRegistry, which applies it and rewrites stale `from X import Y` bindings).
 """
 
 from __future__ import annotations
@@ -51,13 +54,24 @@ class Installed:
     version: str
     replaced: list[tuple[object, str, object]] = field(default_factory=list)
     seams: list[str] = field(default_factory=list)  # the Seam.name of each, in order
+    undo: list[Callable[[], None]] = field(default_factory=list)  # what `put` returned, per seam
 
     def uninstall(self) -> None:
         """Put every original back (tests; an engine never needs it)."""
-        for owner, attr, original in reversed(self.replaced):
-            setattr(owner, attr, original)
+        for undo in reversed(self.undo):
+            undo()
+        self.undo.clear()
         self.replaced.clear()
         self.seams.clear()
+
+
+Put = Callable[[Seam, object, str, object, Callable], Callable[[], None]]
+
+
+def set_attribute(seam: Seam, owner: object, attr: str, original: object, replacement: Callable):
+    """The default `put`: `setattr(owner, attr, replacement)`; returns what undoes it."""
+    setattr(owner, attr, replacement)
+    return lambda: setattr(owner, attr, original)
 
 
 def engine_version(distribution: str) -> str | None:
@@ -75,9 +89,14 @@ def _parameters(value) -> tuple[str, ...]:
 
 
 def install(
-    engine: str, version: str | None, seams_by_version: dict[str, tuple[Seam, ...]], log: logging.Logger
+    engine: str,
+    version: str | None,
+    seams_by_version: dict[str, tuple[Seam, ...]],
+    log: logging.Logger,
+    put: Put = set_attribute,
 ) -> Installed | None:
-    """Replace every seam of `seams_by_version[version]`, or none (module docstring)."""
+    """Replace every seam of `seams_by_version[version]`, or none (module docstring). Each replacement
+    goes in through `put(seam, owner, attr, original, replacement)`, which returns its undo."""
     if not env.get("ATTN_PROLOGUE_ENGINE_PLUGINS"):
         log.info("attn_prologue: ATTN_PROLOGUE_ENGINE_PLUGINS is off; %s left untouched", engine)
         return None
@@ -106,7 +125,7 @@ def install(
         found.append((seam, owner, attr, current))
     done = Installed(engine, version)
     for seam, owner, attr, current in found:
-        setattr(owner, attr, seam.make(current))
+        done.undo.append(put(seam, owner, attr, current, seam.make(current)))
         done.replaced.append((owner, attr, current))
         done.seams.append(seam.name)
     log.info("attn_prologue: replaced in %s %s: %s", engine, version, ", ".join(done.seams))
