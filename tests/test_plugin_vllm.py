@@ -124,12 +124,13 @@ def test_v41_swa_insert_matches_our_op(installed, mxfp8, interleaved, heads, pad
     q_in = q.clone()
     out = V41_ATTN._fused_qnorm_rope_kv_insert(layer, q_in, kv, positions, L.swa_metadata(layer, slots, bs))
     cos_sin = layer.rotary_emb.cos_sin_cache
+    into, block = L.written_pages(want_cache, bs, record)
     if interleaved and heads == padded:  # vLLM's pad_to = 0: q back untouched, KV only
-        ap.kv_rope_insert(kv, want_cache, slots, positions, cos_sin, bs, fmt, numerics="preset=vllm")
+        ap.kv_rope_insert(kv, into, slots, positions, cos_sin, block, fmt, numerics="preset=vllm")
         assert out is q_in and torch.equal(q_in, q)
     else:
         want_q = torch.full((n, padded, L.D), float("nan"), dtype=torch.bfloat16)
-        ap.qnorm_rope_kv_insert(q, kv, want_q, want_cache, slots, positions, cos_sin, L.EPS, bs, fmt,
+        ap.qnorm_rope_kv_insert(q, kv, want_q, into, slots, positions, cos_sin, L.EPS, block, fmt,
                                 numerics="preset=vllm", apply_q_norm=False, apply_q_rope=not interleaved,
                                 q_layout="interleaved" if interleaved else "head_major")  # fmt: skip
         assert torch.equal(out.view(torch.int16), want_q.view(torch.int16))
@@ -183,7 +184,15 @@ class Spy:
 
 
 @pytest.mark.parametrize(
-    "case", ["bf16 rows", "fp8 rows", "context parallel", "more tokens than reserved", "no profile run"]
+    "case",
+    [
+        "bf16 rows",
+        "fp8 rows",
+        "context parallel",
+        "more tokens than reserved",
+        "no profile run",
+        "padded V4.1 pages",
+    ],
 )
 def test_branches_we_do_not_serve_stay_vllms(monkeypatch, caplog, case):
     fresh_state()
@@ -191,8 +200,10 @@ def test_branches_we_do_not_serve_stay_vllms(monkeypatch, caplog, case):
     assert plugin.install() is not None
     try:
         dtype = {"bf16 rows": torch.bfloat16, "fp8 rows": torch.float8_e4m3fn}.get(case, torch.uint8)
-        layer = L.swa_layer(heads=4, padded=8, record=584, block_size=16, blocks=4, device="cpu", v41=True,
-                            cache_dtype=dtype, max_tokens=8)  # fmt: skip
+        padded_pages = case == "padded V4.1 pages"
+        layer = L.swa_layer(heads=4, padded=8, record=528 if padded_pages else 584, block_size=16, blocks=4,
+                            device="cpu", v41=True, mxfp8=padded_pages, cache_dtype=dtype, max_tokens=8,
+                            page_pad=64 if padded_pages else None)  # fmt: skip
         layer.use_pcp = case == "context parallel"
         n = 12 if case == "more tokens than reserved" else 5
         q, kv = q_and_kv(n, 4, 9)
@@ -212,7 +223,9 @@ def test_branches_we_do_not_serve_stay_vllms(monkeypatch, caplog, case):
                 assert out == "vllm's"
         assert len(spy.calls) == 2 + (case != "no profile run")
         warned = [r for r in caplog.records if r.name == "vllm.attn_prologue"]
-        assert len(warned) == (1 if case in ("more tokens than reserved", "no profile run") else 0)
+        assert len(warned) == (
+            1 if case in ("more tokens than reserved", "no profile run", "padded V4.1 pages") else 0
+        )
     finally:
         fresh_state()
 
@@ -233,7 +246,7 @@ def flashinfer_reference():
     return None
 
 
-@pytest.mark.parametrize("record, ratio", [(584, 1), (528, 2), (288, 1), (None, 2)])
+@pytest.mark.parametrize("record, ratio", [(584, 1), (528, 1), (528, 2), (288, 1), (None, 2)])
 def test_compressed_insert_matches_our_op_and_flashinfer(installed, record, ratio):
     bs, blocks, n = 16, 4, 24
     dtype = torch.uint8 if record else torch.bfloat16
@@ -247,8 +260,8 @@ def test_compressed_insert_matches_our_op_and_flashinfer(installed, record, rati
     cache = layer._static_forward_context[layer.k_cache_prefix].kv_cache
     want = cache.clone()
     fmt = {584: "fp8_ds_mla", 528: "mxfp8", 288: "nvfp4_v41", None: "bf16"}[record]
-    pages = plugin.pages(want)
-    ap.kv_rope_insert(latent, pages, slots, positions, rotary.cos_sin_cache, bs, fmt, numerics="preset=vllm-triton",
+    into, block = L.written_pages(plugin.pages(want), bs, record)
+    ap.kv_rope_insert(latent, into, slots, positions, rotary.cos_sin_cache, block, fmt, numerics="preset=vllm-triton",
                       compress_ratio=ratio)  # fmt: skip
     meta = {layer.k_cache_prefix: type("M", (), {"slot_mapping": slots})}
     with L.forward_context(meta):
@@ -264,7 +277,7 @@ def test_compressed_insert_matches_our_op_and_flashinfer(installed, record, rati
     packed = reference.pack_deepseek_v41_cache_reference(
         latent, page_size=bs, cache_kind="swa" if record == 528 else "indexed"
     )
-    assert torch.equal(cache.view(-1)[: packed.numel()], packed.view(-1))
+    assert torch.equal(cache.view(-1)[: n * record], packed.view(-1)[: n * record])  # the n records written
 
 
 @pytest.mark.parametrize("fp4, ratio", [(True, 1), (False, 2)])
@@ -326,3 +339,45 @@ def test_the_switch_turns_it_off(monkeypatch, caplog):
 
 def test_the_version_table_names_the_installed_vllm():
     assert plugins.engine_version("vllm") in plugin.VERSIONS
+
+
+# vLLM's CUDA extension defines its _C ops where it loads (a GPU machine); here the schema is defined
+# as vLLM's library defines it (the string read from vllm/_C_stable_libtorch.abi3.so, 0.33.0 and
+# 0.34.0), with a kernel that only records the call.
+VLLM_KV_OP = (
+    "fused_deepseek_v4_kv_rope_insert(Tensor kv, Tensor! k_cache, Tensor slot_mapping, Tensor position_ids, "
+    "Tensor cos_sin_cache, int cache_block_size, Tensor? fp8_scale=None, bool kv_mxfp8=False) -> ()"
+)
+
+
+@pytest.mark.parametrize("mxfp8", [False, True])
+def test_vllms_kv_only_op_runs_our_kernels(monkeypatch, caplog, mxfp8):
+    fresh_state()
+    library = torch.library.Library("_C", "FRAGMENT")
+    vllms_calls = []
+    library.define(VLLM_KV_OP)
+    library.impl("fused_deepseek_v4_kv_rope_insert", lambda *args: vllms_calls.append(args), "CPU")
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.attn_prologue"):
+            assert plugin.install() is not None
+        assert "torch.ops._C.fused_deepseek_v4_kv_rope_insert" in caplog.records[-1].getMessage()
+        bs, blocks, n = 16, 4, 10
+        kv = L.rows(n, L.D, "cpu", 31)
+        cache = L.random_bytes((blocks, bs * (528 if mxfp8 else 584)), "cpu", 32)
+        slots, positions = L.slots_and_positions(n, bs * blocks, "cpu", 33)
+        cos_sin = L.cos_sin("cpu", seed=34)
+        want = cache.clone()
+        ap.kv_rope_insert(kv, want, slots, positions, cos_sin, bs, "mxfp8" if mxfp8 else "fp8_ds_mla",
+                          numerics="preset=vllm")  # fmt: skip
+        torch.ops._C.fused_deepseek_v4_kv_rope_insert(kv, cache, slots, positions, cos_sin, bs, None, mxfp8)
+        assert torch.equal(cache, want) and vllms_calls == []
+        fresh_state()  # uninstall: vLLM's kernel is back
+        torch.ops._C.fused_deepseek_v4_kv_rope_insert(kv, cache, slots, positions, cos_sin, bs, None, mxfp8)
+        assert len(vllms_calls) == 1
+    finally:
+        fresh_state()
+        library._destroy()
+
+
+def test_without_vllms_extension_the_op_is_left_and_said_so(installed, caplog):
+    assert "torch.ops._C.fused_deepseek_v4_kv_rope_insert" not in plugin._installed.seams

@@ -299,8 +299,11 @@ class VllmOps:
         self.qkv_op = self.kv_op = None
 
     # the forms, in their schema's argument order after `on_cuda`
+    # (trailing defaults as vLLM's schemas have them: behind vLLM's own op, torch hands a Python kernel
+    # only the arguments that differ from the schema's defaults at the end of the list)
     def _allocating(self, on_cuda, q, kv, k_cache, slot_mapping, positions, cos_sin_cache, q_head_padded,
-                    eps, block_size, apply_q_norm, kv_mxfp8, apply_q_rope, is_q_interleaved):  # fmt: skip
+                    eps, block_size, apply_q_norm=True, kv_mxfp8=False, apply_q_rope=True,
+                    is_q_interleaved=False):  # fmt: skip
         fmt, pages = _cache_format(
             k_cache, "mxfp8" if kv_mxfp8 else "fp8_ds_mla", kv_mxfp8=kv_mxfp8, fp8_scale=None
         )
@@ -338,7 +341,8 @@ class VllmOps:
         _qkv(on_cuda, q_in, kv, q_out, pages, slot_mapping, positions, cos_sin_cache, eps, block_size, fmt,
              self._numerics[fmt])  # fmt: skip
 
-    def _kv_only(self, on_cuda, kv, cache, slots, positions, cos_sin_cache, block_size, fp8_scale, kv_mxfp8):
+    def _kv_only(self, on_cuda, kv, cache, slots, positions, cos_sin_cache, block_size, fp8_scale=None,
+                 kv_mxfp8=False):  # fmt: skip
         fmt, pages = _cache_format(
             cache, "mxfp8" if kv_mxfp8 else "fp8_ds_mla", kv_mxfp8=kv_mxfp8, fp8_scale=fp8_scale
         )

@@ -19,7 +19,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from .. import env
+from ..compat.registration import existing_schema
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,28 @@ class Seam:
         for part in outer:
             owner = getattr(owner, part)
         return owner, attr, inspect.getattr_static(owner, attr)
+
+
+class Absent(LookupError):
+    """The engine has not loaded this seam in this process (its CUDA extension on a machine without a
+    GPU, say): the seam is skipped, which is no mismatch."""
+
+
+@dataclass(frozen=True)
+class OpSeam(Seam):
+    """A torch op an engine's extension defines: `module` is its namespace, `path` its name,
+    `parameters` its schema's argument names; `make(schema)` puts ours behind it (torch.library) and
+    returns what undoes that."""
+
+    @property
+    def name(self) -> str:
+        return f"torch.ops.{self.module}.{self.path}"
+
+    def resolve(self) -> tuple[object, str, object]:
+        schema = existing_schema(self.module, self.path)
+        if schema is None:
+            raise Absent(self.name)
+        return self.module, self.path, schema
 
 
 @dataclass
@@ -84,6 +109,8 @@ def engine_version(distribution: str) -> str | None:
 
 
 def _parameters(value) -> tuple[str, ...]:
+    if isinstance(value, torch._C.FunctionSchema):
+        return tuple(a.name for a in value.arguments)
     function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
     return tuple(inspect.signature(function).parameters)
 
@@ -107,11 +134,14 @@ def install(
             engine, version or "(not installed)", ", ".join(seams_by_version), engine,
         )  # fmt: skip
         return None
-    found = []
+    found, absent = [], []
     for seam in seams:
         try:
             owner, attr, current = seam.resolve()
             have = _parameters(current)
+        except Absent:
+            absent.append(seam.name)
+            continue
         except (ImportError, AttributeError, TypeError, ValueError) as exc:
             log.warning("attn_prologue: %s %s has no seam %s (%s); %s left untouched",
                         engine, version, seam.name, exc, engine)  # fmt: skip
@@ -125,8 +155,14 @@ def install(
         found.append((seam, owner, attr, current))
     done = Installed(engine, version)
     for seam, owner, attr, current in found:
-        done.undo.append(put(seam, owner, attr, current, seam.make(current)))
+        undo = (
+            seam.make(current)
+            if isinstance(seam, OpSeam)
+            else put(seam, owner, attr, current, seam.make(current))
+        )
+        done.undo.append(undo)
         done.replaced.append((owner, attr, current))
         done.seams.append(seam.name)
-    log.info("attn_prologue: replaced in %s %s: %s", engine, version, ", ".join(done.seams))
+    log.info("attn_prologue: replaced in %s %s: %s%s", engine, version, ", ".join(done.seams),
+             f"; not loaded in this process, left: {', '.join(absent)}" if absent else "")  # fmt: skip
     return done

@@ -21,15 +21,18 @@ its Triton writers (runtime/presets.py).
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
+from collections.abc import Callable
 
 import torch
 
 from .. import ops
+from ..compat import vllm as compat_vllm
 from ..errors import InputError, ScratchError, UnsupportedError
 from ..parity import NumericsError
 from ..scratch import ScratchPool
-from . import Installed, Seam, engine_version
+from . import Installed, OpSeam, Seam, engine_version
 from . import install as install_seams
 
 log = logging.getLogger("vllm.attn_prologue")  # under vLLM's logger, so vLLM's handlers show it
@@ -39,10 +42,16 @@ V4, V41 = "vllm.models.deepseek_v4.attention", "vllm.models.deepseek_v41.attenti
 V41_COMPRESSOR = "vllm.models.deepseek_v41.compressor"
 INSERT_PARAMETERS = ("self", "q", "kv", "positions", "attn_metadata")
 WRITER_PARAMETERS = ("self", "latent", "positions", "rotary_emb")
+# _C.fused_deepseek_v4_kv_rope_insert's schema (vLLM's CUDA extension, the same in 0.33.0 and 0.34.0)
+KV_OP_PARAMETERS = ("kv", "k_cache", "slot_mapping", "position_ids", "cos_sin_cache", "cache_block_size",
+                    "fp8_scale", "kv_mxfp8")  # fmt: skip
 
 CUDA_OP = "preset=vllm"  # _C.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert's bytes
 TRITON_WRITERS = "preset=vllm-triton"  # rope_quant_insert's and indexer_k_norm_rope_store's
 COMPRESSED_RECORDS = {584: "fp8_ds_mla", 528: "mxfp8", 288: "nvfp4_v41"}  # vLLM picks by record width
+# vLLM's V4.1 records keep each token's scales right after its own values (its cache_utils.py: "The V4.1
+# records are interleaved"), where our formats put a page's scales after all its values
+V41_INLINE = (528, 288)
 # what our kernels refuse without writing anything: vLLM's own method then runs
 REFUSALS = (InputError, UnsupportedError, ScratchError, NumericsError)
 
@@ -67,9 +76,27 @@ def install() -> Installed | None:
              functools.partial(_swa_insert, v41=True)),
         Seam(V41_COMPRESSOR, "DeepseekCompressor.insert_cache", WRITER_PARAMETERS, _compressed_insert),
         Seam(V41, "DeepseekV4Indexer._produce_k", WRITER_PARAMETERS, _indexer_keys),
+        # the KV-only insert of V4.1's replay path, its context parallelism and the DSpark drafter: our
+        # kernels behind vLLM's own op, where vLLM's CUDA extension is loaded
+        OpSeam("_C", compat_vllm.KV_NAME, KV_OP_PARAMETERS, _kv_only_op),
     )  # fmt: skip
+    _load_vllm_extension()
     _installed = install_seams("vLLM", engine_version("vllm"), dict.fromkeys(VERSIONS, seams), log)
     return _installed
+
+
+def _load_vllm_extension() -> None:
+    """vLLM's CUDA platform imports the extension that defines its _C ops; a plugin may load first."""
+    try:
+        importlib.import_module("vllm._C_stable_libtorch")
+    except (ImportError, OSError):  # no CUDA here (the library needs libcudart), or another vLLM build
+        pass
+
+
+def _kv_only_op(schema) -> Callable[[], None]:
+    """Ours behind vLLM's _C KV-only op (its CPU and CUDA kernels; vLLM's schema kept, vLLM's bytes by
+    default: compat.vllm's numerics); returns what puts vLLM's kernels back."""
+    return compat_vllm.register("_C", override=True, kv_only=True).close
 
 
 def _tell_once(key: str, message: str, *args) -> None:
@@ -148,18 +175,23 @@ def _swa_insert(original, *, v41: bool):
         meta = attn_metadata[self.swa_cache_layer.prefix]
         fmt = "mxfp8" if getattr(self, "kv_mxfp8", False) else "fp8_ds_mla"
         interleaved = v41 and self.accepts_unnormed_unroped_query
-        pages = cache.view(cache.shape[0], -1)
-        writes = (pages, meta.slot_mapping, positions, self.rotary_emb.cos_sin_cache)
+        page_view, block_size = cache.view(cache.shape[0], -1), meta.block_size
+        if fmt == "mxfp8":
+            page_view, block_size = token_pages(page_view, block_size, 528), 1
+        if page_view is None:
+            _tell_once("padded V4.1 pages", "padded V4.1 SWA pages are no layout of ours; vLLM's op runs")
+            return original(self, q, kv, positions, attn_metadata)
+        writes = (page_view, meta.slot_mapping, positions, self.rotary_emb.cos_sin_cache)
         try:
             if interleaved and self.n_local_heads == self.padded_heads:  # vLLM's pad_to = 0: no Q work
-                ops.kv_rope_insert(kv, *writes, meta.block_size, fmt, numerics=CUDA_OP)
+                ops.kv_rope_insert(kv, *writes, block_size, fmt, numerics=CUDA_OP)
                 return q
             layout = "interleaved" if interleaved else "head_major"
             q_out = q if self.n_local_heads == self.padded_heads else q_view(self, q, layout)
             if q_out is None:
                 return original(self, q, kv, positions, attn_metadata)
             ops.qnorm_rope_kv_insert(
-                q, kv, q_out, *writes, self.eps, meta.block_size, fmt, numerics=CUDA_OP,
+                q, kv, q_out, *writes, self.eps, block_size, fmt, numerics=CUDA_OP,
                 write_pad_heads=False, apply_q_norm=not v41, apply_q_rope=not interleaved, q_layout=layout,
             )  # fmt: skip
             return q_out
@@ -169,6 +201,15 @@ def _swa_insert(original, *, v41: bool):
 
     _fused_qnorm_rope_kv_insert.__wrapped__ = original
     return _fused_qnorm_rope_kv_insert
+
+
+def token_pages(pages: torch.Tensor, block_size: int, record: int) -> torch.Tensor | None:
+    """vLLM's V4.1 pages as our writers take them: with pages unpadded (stride = block_size x record), a
+    token's values-then-scales record is our layout for pages of one token, so the cache is written as
+    [blocks x block_size, record] with block size 1 and the same slot ids. None for padded pages."""
+    if pages.stride(0) != block_size * record:
+        return None
+    return pages.as_strided((pages.shape[0] * block_size, record), (record, 1))
 
 
 def pages(cache: torch.Tensor) -> torch.Tensor | None:
@@ -192,12 +233,14 @@ def _compressed_insert(original):
             fmt = COMPRESSED_RECORDS.get(cache.shape[-1])
         else:
             fmt = "bf16" if cache.dtype == torch.bfloat16 else None  # per-tensor FP8 rows: vLLM's
-        page_view = pages(cache)
+        page_view, block_size = pages(cache), cache.shape[1]
+        if page_view is not None and cache.dtype == torch.uint8 and cache.shape[-1] in V41_INLINE:
+            page_view, block_size = token_pages(page_view, block_size, cache.shape[-1]), 1
         if fmt is None or page_view is None or not isinstance(attn_metadata, dict):
             return original(self, latent, positions, rotary_emb)
         slots = attn_metadata[self.k_cache_prefix].slot_mapping
         try:
-            ops.kv_rope_insert(latent, page_view, slots, positions, rotary_emb.cos_sin_cache, cache.shape[1],
+            ops.kv_rope_insert(latent, page_view, slots, positions, rotary_emb.cos_sin_cache, block_size,
                                fmt, numerics=TRITON_WRITERS, compress_ratio=self.compress_ratio)  # fmt: skip
         except REFUSALS as exc:
             _refused("the compressed-cache insert", exc)

@@ -74,11 +74,12 @@ def test_swa_insert_eager_and_in_a_cuda_graph(plugin_state, v41, mxfp8, interlea
     )
 
     def expected(q, kv, slots, positions, want_cache):
+        into, block = L.written_pages(want_cache, bs, 528 if mxfp8 else 584)
         if interleaved and heads == padded:
-            ap.kv_rope_insert(kv, want_cache, slots, positions, cos_sin, bs, fmt, numerics="preset=vllm")
+            ap.kv_rope_insert(kv, into, slots, positions, cos_sin, block, fmt, numerics="preset=vllm")
             return q.clone()
         want_q = torch.zeros(n, padded, L.D, dtype=torch.bfloat16, device="cuda")
-        ap.qnorm_rope_kv_insert(q.clone(), kv, want_q, want_cache, slots, positions, cos_sin, L.EPS, bs, fmt,
+        ap.qnorm_rope_kv_insert(q.clone(), kv, want_q, into, slots, positions, cos_sin, L.EPS, block, fmt,
                                 numerics="preset=vllm", **q_modes)  # fmt: skip
         return want_q
 
@@ -137,7 +138,8 @@ def test_compressed_insert_eager_and_in_a_cuda_graph(plugin_state, record, ratio
     for seed in (15, 16, 17):
         latent = L.rows(n, L.D, "cuda", seed)
         want = cache.clone()
-        ap.kv_rope_insert(latent, plugin.pages(want), slots, positions, rotary.cos_sin_cache, bs, fmt,
+        into, block = L.written_pages(plugin.pages(want), bs, record)
+        ap.kv_rope_insert(latent, into, slots, positions, rotary.cos_sin_cache, block, fmt,
                           numerics="preset=vllm-triton", compress_ratio=ratio)  # fmt: skip
         if seed < 17:
             insert(layer, latent, positions, rotary)

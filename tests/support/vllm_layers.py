@@ -45,11 +45,13 @@ def slots_and_positions(n: int, capacity: int, device, seed: int, m: int | None 
 
 def swa_layer(*, heads: int, padded: int, record: int, block_size: int, blocks: int, device,
               v41: bool = False, mxfp8: bool = False, interleaved: bool = False, seed: int = 0,
-              max_tokens: int = 64, cache_dtype=torch.uint8) -> SimpleNamespace:  # fmt: skip
-    """A DeepseekV4Attention as _fused_qnorm_rope_kv_insert reads it; the SWA cache as vLLM shapes it,
-    [blocks, block_size * record] bytes per page plus padding (vLLM rounds a page up)."""
+              max_tokens: int = 64, cache_dtype=torch.uint8, page_pad: int | None = None) -> SimpleNamespace:  # fmt: skip
+    """A DeepseekV4Attention as _fused_qnorm_rope_kv_insert reads it; the SWA cache as vLLM shapes it:
+    [blocks, block_size * record] bytes per page, plus padding for the 584 B record (vLLM rounds a V4
+    page up to a multiple of 576 bytes; V4.1 pages of 32 or 64 tokens need none), or `page_pad`."""
     if cache_dtype == torch.uint8:
-        cache = random_bytes((blocks, block_size * record + 64), device, seed)
+        pad = (64 if record == 584 else 0) if page_pad is None else page_pad
+        cache = random_bytes((blocks, block_size * record + pad), device, seed)
     else:
         cache = rows(blocks * block_size, D, device, seed).view(blocks, block_size, D).to(cache_dtype)
     layer = SimpleNamespace(
@@ -104,3 +106,11 @@ def forward_context(attn_metadata):
 
     with override_forward_context(SimpleNamespace(attn_metadata=attn_metadata)):
         yield
+
+
+def written_pages(pages, block_size: int, record: int):
+    """(pages, block size) our op is handed for vLLM's pages of this record: vLLM's V4.1 records (528,
+    288 B) keep each token's scales after its values, which is our layout for one-token pages."""
+    if record in (528, 288):
+        return pages.reshape(-1).view(-1, record), 1
+    return pages, block_size
