@@ -20,7 +20,7 @@ from attn_prologue import native, ops
 from attn_prologue.jit.kernel_cache import UntrustedCacheError
 
 from .support.bad_inputs import BS, valid
-from .support.stub_kernels import StubRuntime
+from .support.stub_kernels import StubRuntime, require_python_stand_in
 
 QKV = (
     "q_in",
@@ -213,6 +213,7 @@ def test_the_torch_op_kernels_build_against_this_torch_take_the_cuda_key_and_rea
     exchange API (as without the library); a lazily negated view, which the exchange API reads as its
     stored bits, is refused outright: a plan's call never reads it, so the call takes the Python path,
     whose validation names it."""
+    require_python_stand_in()  # the child process calls a Python stand-in kernel
     env = {**os.environ, "ATTN_PROLOGUE_CACHE": str(torch_ops_cache)}
     out = subprocess.run([sys.executable, "-c", READER_CHECK], capture_output=True, text=True, env=env,
                          cwd=Path(__file__).parent.parent, timeout=600)  # fmt: skip
@@ -293,6 +294,7 @@ def test_the_torch_op_kernels_take_their_arguments_off_the_dispatchers_stack(tor
     takes the slow path on the same stack and returns None, later calls run the plan it handed back,
     passing the kernel exactly the tensors the Python path passed, and a call the plan refuses (k_cache
     inside q_out, kv inside k_cache) goes to the slow path, whose validation raises, launching nothing."""
+    require_python_stand_in()  # the child process calls a Python stand-in kernel
     env = {**os.environ, "ATTN_PROLOGUE_CACHE": str(torch_ops_cache)}
     out = subprocess.run([sys.executable, "-c", BOXED_CHECK], capture_output=True, text=True, env=env,
                          cwd=Path(__file__).parent.parent, timeout=600)  # fmt: skip
