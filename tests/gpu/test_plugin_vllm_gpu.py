@@ -90,11 +90,11 @@ def test_swa_insert_eager_and_in_a_cuda_graph(plugin_state, v41, mxfp8, interlea
         q, kv = L.rows(n, L.D, "cuda", seed, heads=heads), L.rows(n, L.D, "cuda", seed + 10)
         want_cache = cache.clone()
         want_q = expected(q, kv, slots, positions, want_cache)
-        before = torch.cuda.memory_allocated()
+        allocations = torch.cuda.memory_stats()["allocation.all.allocated"]  # every allocation so far
         out = insert(layer, q, kv, positions, meta)
         torch.cuda.synchronize()
         if seed == 6:
-            assert torch.cuda.memory_allocated() == before
+            assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
         assert torch.equal(cache, want_cache)
         assert torch.equal(out.view(torch.int16), want_q.view(torch.int16))
 
