@@ -232,7 +232,7 @@ def test_an_explicit_choice_a_dtype_picked_format_lacks_is_refused_at_the_call_w
     "kw, error, match",
     [
         (dict(numerics="preset=nope"), NumericsError, "unknown numerics preset 'nope'"),
-        (dict(numerics="preset=sglang"), NumericsError, "preset sglang has no cache format fp8_ds_mla"),
+        (dict(numerics="preset=flashinfer"), NumericsError, "preset flashinfer has no cache format fp8_ds_mla"),
         (dict(numerics="fp4_zero=positive"), NumericsError, "cache format fp8_ds_mla has no fp4_zero choice"),
         (dict(numerics="scale_floor"), NumericsError, "is not a parity choice"),
         (dict(numerics="e4m3_nan=0x7e, e4m3_nan=0x7f"), NumericsError, "sets e4m3_nan twice"),

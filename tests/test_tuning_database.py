@@ -253,7 +253,7 @@ def test_a_defaults_only_entry_serves_only_calls_with_the_defaults(tmp_path):
     }
     # the build compiles folded modules for the spellings asked for; one the format lacks folds nothing
     keys = build.build_keys(
-        [parse_name(name)], {"sm_90a"}, [LaunchConfig.from_key(key)], ["preset=vllm", "preset=sglang"]
+        [parse_name(name)], {"sm_90a"}, [LaunchConfig.from_key(key)], ["preset=vllm", "preset=flashinfer"]
     )
     assert sorted(k.config.key for _, k in keys) == sorted([key, folded.key])
     assert [

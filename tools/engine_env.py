@@ -12,8 +12,9 @@
    `torch>=2.6`, which their pins satisfy too).
 3. VENV gets the CPU torch, this package with its test extra under those constraints, and the small
    pure-Python packages the engines' Python modules import (`ENGINE_IMPORTS`, pinned here).
-4. Each `--engine` wheel goes, without dependencies, into its own folder VENV/engines/NAME-VERSION:
-   put one on PYTHONPATH to test against that release (vLLM 0.33.0 and 0.34.0 cannot share a venv).
+4. Each `--engine` wheel goes, without dependencies, into its own folder VENV/engines/NAME-VERSION,
+   with what only that engine imports (`ENGINE_EXTRAS`): put one on PYTHONPATH to test against that
+   release (vLLM 0.33.0 and 0.34.0 cannot share a venv).
 
 It writes VENV/engine-env.json: the constraints and where they came from, and each engine's folder.
 Never run `pip install vllm` (or sglang) with its dependencies on a CPU machine: it pulls the CUDA torch.
@@ -43,6 +44,21 @@ ENGINE_IMPORTS = [
     "transformers==5.20.2", "urllib3==2.8.0", "uvloop==0.23.0",
 ]  # fmt: skip
 ENGINE_IMPORTS_NO_DEPS = ["xgrammar==0.2.8", "openai-harmony==0.0.8"]  # their own pins would pull torch
+# what one engine's modules import beyond those, at that engine's own pins where they differ from
+# another's (SGLang pins openai 2.8.0, vLLM wants >= 2.25): installed without dependencies into the
+# engine's own folder, so they are on the path only beside that engine
+ENGINE_EXTRAS = {
+    "sglang": [
+        "asttokens==3.0.2", "compressed-tensors==0.18.0", "dill==0.4.1", "distro==1.9.0", "executing==2.3.0",
+        "gguf==0.19.0", "httpcore==1.0.9", "httpx==0.29.0", "huggingface_hub==1.33.0", "ipython==9.19.1",
+        "ipython_pygments_lexers==1.1.1", "jedi==0.20.1", "kernels==0.19.1", "loguru==0.7.3",
+        "matplotlib-inline==0.2.2", "openai==2.8.0", "orjson==3.13.0", "parso==0.8.7", "pexpect==4.9.0",
+        "prompt_toolkit==3.0.53", "ptyprocess==0.7.0", "pure_eval==0.2.4", "sentencepiece==0.2.1",
+        "stack-data==0.6.3", "tokenizers==0.23.2", "tomlkit==0.15.3", "traitlets==5.16.1",
+        "torchvision==0.28.0", "transformers==5.19.0", "triton==3.9.0", "wcwidth==0.9.5",
+    ],
+    "tokenspeed-kernel": ["tokenspeed-triton==3.8.10.post20260920"],
+}  # fmt: skip
 
 
 def run(*cmd: str, env: dict | None = None) -> None:
@@ -151,17 +167,9 @@ def main() -> None:
     for spec in args.engine:
         folder = venv / "engines" / spec.replace("==", "-")
         if not folder.is_dir():
-            run(
-                py,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-deps",
-                "--target",
-                str(folder),
-                str(wheel(spec, args.wheel_cache)),
-            )
+            extras = ENGINE_EXTRAS.get(spec.split("==")[0], [])
+            run(py, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder),
+                str(wheel(spec, args.wheel_cache)), *extras, env=env)  # fmt: skip
         folders[spec] = str(folder)
     # what the venv holds now, against the pins (pip would have refused a conflict; say it plainly)
     freeze = subprocess.run([py, "-m", "pip", "freeze"], check=True, capture_output=True, text=True).stdout
