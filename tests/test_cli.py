@@ -68,6 +68,19 @@ def test_help_imports_no_torch(command):
     assert ours < 500_000, f"importing attn_prologue for --help took {ours / 1e6:.2f} s"
 
 
+def test_version_names_the_package_and_what_it_runs_with_and_imports_no_torch():
+    import importlib.metadata
+
+    proc = run("--version", python=("-X", "importtime"))
+    assert proc.returncode == 0
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith(f"attn-prologue {importlib.metadata.version('attn-prologue')} (")
+    for name in ("nvidia-cutlass-dsl", "apache-tvm-ffi", "torch"):
+        assert f"{name} {importlib.metadata.version(name)}" in first
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "cutlass", "tvm_ffi")}
+
+
 @pytest.mark.parametrize(
     "args,says",
     [

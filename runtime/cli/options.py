@@ -21,6 +21,33 @@ class Parser(argparse.ArgumentParser):
             raise argparse.ArgumentError(action, f"invalid choice: {value!r}{hint} (choose from {known})")
 
 
+def version_text() -> str:
+    """The package's version and those of what it builds and runs with, read from the installed
+    distributions' metadata (nothing imported)."""
+    import importlib.metadata
+    import platform
+
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    parts = ", ".join(f"{n} {version(n)}" for n in ("nvidia-cutlass-dsl", "apache-tvm-ffi", "torch"))
+    return f"attn-prologue {version('attn-prologue')} ({parts}; Python {platform.python_version()})"
+
+
+class VersionAction(argparse.Action):
+    """`--version`: print version_text() and exit, before a command is asked for."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """Every option's help ends with its default, unless the help already says what it is."""
 

@@ -46,6 +46,8 @@ def build_parser() -> o.Parser:
     p.description = (
         "Generate, build, measure and tune the attn-prologue kernels (`<command> --help` for each)."
     )
+    p.add_argument("--version", action=o.VersionAction,
+                   help="the package's version and the DSL, tvm-ffi and torch versions installed")  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
 
     s = _command(sub, "list", f"{CLI}:cmd_list", "cache formats and their byte layouts (and the variant space)",
