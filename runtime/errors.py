@@ -1,5 +1,13 @@
 """Typed errors. Every check on user input raises one of these before anything is written."""
 
+import difflib
+
+
+def did_you_mean(name: str, known) -> str:
+    """ " (did you mean X?)" naming the closest of `known` to a mistyped name, or "" if none is close."""
+    close = difflib.get_close_matches(name, [str(k) for k in known], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
 
 class AttnPrologueError(Exception):
     """Base class of every error this package raises on purpose."""

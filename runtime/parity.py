@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .errors import UnsupportedError
+from .errors import UnsupportedError, did_you_mean
 
 
 class NumericsError(UnsupportedError, ValueError):
@@ -111,15 +111,19 @@ class Numerics:
     def __post_init__(self):
         if self.preset is not None and not isinstance(self.preset, str):
             raise NumericsError(f"numerics preset must be a str, got {type(self.preset).__name__}")
+        if self.preset is not None:
+            object.__setattr__(self, "preset", self.preset.strip().lower())  # "vLLM" is "vllm"
         for name, kind in CHOICE_TYPES.items():
             value = getattr(self, name)
             if value is None or isinstance(value, kind):
                 continue
-            if not isinstance(value, str) or value not in {v.value for v in kind}:
+            spellings = {v.value: v for v in kind}
+            if not isinstance(value, str) or value.strip().lower() not in spellings:
+                hint = did_you_mean(value.strip().lower(), spellings) if isinstance(value, str) else ""
                 raise NumericsError(
-                    f"numerics {name}={value!r} is not a parity choice; choices: {choices_text()}"
+                    f"numerics {name}={value!r} is not a parity choice{hint}; choices: {choices_text()}"
                 )
-            object.__setattr__(self, name, kind(value))  # the string spelling of a value
+            object.__setattr__(self, name, spellings[value.strip().lower()])  # the string spelling
 
     def given(self) -> dict[str, enum.Enum]:
         """The fields set here (preset excluded)."""
@@ -141,8 +145,12 @@ class Numerics:
         out: dict[str, str] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, eq, value = (s.strip() for s in part.partition("="))
+            key = key.lower()
             if not eq or (key != "preset" and key not in CHOICE_TYPES):
-                raise NumericsError(f"numerics {part!r} is not a parity choice; choices: {choices_text()}")
+                hint = did_you_mean(key, ["preset", *CHOICE_TYPES]) if eq else ""
+                raise NumericsError(
+                    f"numerics {part!r} is not a parity choice{hint}; choices: {choices_text()}"
+                )
             if key in out:
                 raise NumericsError(f"numerics {text!r} sets {key} twice")
             out[key] = value

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import did_you_mean
 from .parity import (
     AmaxFloor,
     E4m3Nan,
@@ -241,11 +242,18 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def preset_entry(name: str, fmt_name: str) -> PresetEntry:
-    """The preset's entry for a format, or a NumericsError naming what exists."""
+def get_preset(name: str) -> Preset:
+    """The preset of that name, or a NumericsError naming the closest and listing them all."""
     preset = PRESETS.get(name)
     if preset is None:
-        raise NumericsError(f"unknown numerics preset {name!r}; presets: {', '.join(PRESETS)}")
+        hint = did_you_mean(str(name), PRESETS)
+        raise NumericsError(f"unknown numerics preset {name!r}{hint}; presets: {', '.join(PRESETS)}")
+    return preset
+
+
+def preset_entry(name: str, fmt_name: str) -> PresetEntry:
+    """The preset's entry for a format, or a NumericsError naming what exists."""
+    preset = get_preset(name)
     entry = preset.formats.get(fmt_name)
     if entry is None:
         others = [n for n, p in PRESETS.items() if fmt_name in p.formats]

@@ -9,7 +9,6 @@ the runtime reads the generated registry (the sorted names) and resolves request
 
 from __future__ import annotations
 
-import difflib
 import enum
 import functools
 import itertools
@@ -18,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
-from .errors import UnsupportedError
+from .errors import UnsupportedError, did_you_mean
 from .formats import FORMATS, CacheFormat, ElementCode, ScaleCode, get_format
 from .launch import LaunchConfig
 
@@ -146,12 +145,6 @@ TARGETS = tuple(dict.fromkeys(t for _, t in CAPABILITIES.values()))
 # cores) for GPUs few deployments have; `build --targets sm_103a` prebuilds one, and without that a
 # B300 or Thor compiles what it binds on first use (seconds per kernel, then cached)
 DEFAULT_BUILD_TARGETS = ("sm_90a", "sm_100a", "sm_120f")
-
-
-def did_you_mean(name: str, known) -> str:
-    """ " (did you mean X?)" naming the closest of `known` to a mistyped name, or "" if none is close."""
-    close = difflib.get_close_matches(name, [str(k) for k in known], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def check_targets(targets) -> tuple[str, ...]:

@@ -105,6 +105,15 @@ def test_version_names_the_package_and_what_it_runs_with_and_imports_no_torch():
             ["build", "--variants", "qkv_d512r64_fp8_ds_mla_bf16_sm90_portable"],
             "did you mean 'qkv_d512r64_fp8_ds_mla_bf16_sm90'?",
         ),
+        (
+            ["build", "--numerics", "preset=vlm"],
+            "unknown numerics preset 'vlm' (did you mean vllm?); presets: vllm,",
+        ),
+        (
+            ["build", "--numerics", "scale_floor=sacle"],
+            "scale_floor='sacle' is not a parity choice (did you mean scale?)",
+        ),
+        (["build", "--numerics", "scale_flor=scale"], "is not a parity choice (did you mean scale_floor?)"),
         (["build", "--config", "w3"], "not a launch-config key: 'w3'; keys read w<warps per CTA>"),
         (["build", "--config", "w4_u1_pdl1_nc1_c"], "(did you mean w4_u1_pdl1_nc1_cs?)"),
         (["build", "--jobs", "0"], "argument --jobs/-j: must be >= 1, not 0"),

@@ -38,6 +38,20 @@ def test_fields_are_coerced_from_their_value_strings_and_anything_else_is_refuse
         Numerics.of(["scale_floor=scale"])
 
 
+def test_spellings_are_matched_without_regard_to_case_and_typos_name_the_closest():
+    assert Numerics.parse("Preset=vLLM, E4M3_NAN=0xFE, amax_floor=1E-4") == Numerics.parse(
+        "preset=vllm, e4m3_nan=0xfe, amax_floor=1e-4"
+    )
+    with pytest.raises(NumericsError, match=r"\(did you mean scale\?\)"):
+        Numerics.parse("scale_floor=sacle")
+    with pytest.raises(NumericsError, match=r"\(did you mean rope_order\?\)"):
+        Numerics.parse("rope_ordr=odd_cos")
+    with pytest.raises(
+        NumericsError, match=r"unknown numerics preset 'vlm' \(did you mean vllm\?\); presets: vllm"
+    ):
+        get_format("mxfp8").numerics_flags("preset=vlm")
+
+
 def test_the_string_spelling_round_trips_and_names_each_field_once():
     n = Numerics.parse("preset=vllm-triton, fp4_zero=positive")
     assert n == Numerics(preset="vllm-triton", fp4_zero=Fp4Zero.POSITIVE)

@@ -8,6 +8,8 @@ import argparse
 import difflib
 
 from ..errors import UnsupportedError
+from ..parity import Numerics
+from ..presets import get_preset
 from ..variants import NAME, check_targets, did_you_mean, generated, not_generated, parse_name
 
 
@@ -148,7 +150,17 @@ def _bench_change(text: str) -> tuple[str, object]:
     )
 
 
+def _numerics_spec(text: str) -> str:
+    """A parity-choice spelling whose fields, values and preset exist (NumericsError naming the
+    closest otherwise); the spelling itself is what the build takes."""
+    numerics = Numerics.parse(text)
+    if numerics.preset is not None:
+        get_preset(numerics.preset)
+    return text
+
+
 targets = _typed("targets", _targets)
+numerics_spec = _typed("numerics", _numerics_spec)
 bench_change = _typed("bench change", _bench_change)
 config_keys = _typed("config keys", _config_keys)
 variant_pattern = _typed("variant", _variant_pattern)

@@ -83,7 +83,7 @@ def build_parser() -> o.Parser:
     s.add_argument("--config", type=o.config_keys,
                    help="comma-separated launch config keys, e.g. w4_u1_pdl1_nc1_cs (default: each arch's default "
                    "and the tuned ones)")  # fmt: skip
-    s.add_argument("--numerics", action="append", metavar="SPEC",
+    s.add_argument("--numerics", action="append", metavar="SPEC", type=o.numerics_spec,
                    help="also compile each defaults_only config folded to these parity choices (e.g. preset=vllm; "
                    "repeatable), for the formats that accept them: calls with exactly those choices then run "
                    "as fast as the defaults (default: none; they read the choices at run time)")  # fmt: skip
