@@ -147,13 +147,43 @@ TARGETS = tuple(dict.fromkeys(t for _, t in CAPABILITIES.values()))
 DEFAULT_BUILD_TARGETS = ("sm_90a", "sm_100a", "sm_120f")
 
 
+# GPU names a target may be given as (matched without regard to case), each its compute capability
+GPU_ALIASES: dict[str, tuple[int, int]] = {
+    **dict.fromkeys(("h100", "h200", "h800", "h20", "gh200"), (9, 0)),
+    **dict.fromkeys(("b200", "gb200"), (10, 0)),
+    **dict.fromkeys(("b300", "gb300"), (10, 3)),
+    "thor": (11, 0),
+    **dict.fromkeys(("rtx5090", "rtx5080", "rtx5070", "rtx-pro-6000"), (12, 0)),
+    **dict.fromkeys(("gb10", "dgx-spark"), (12, 1)),
+}
+
+
 def check_targets(targets) -> tuple[str, ...]:
-    """The targets, or an UnsupportedError naming the valid ones (and the likely intended one)."""
+    """The targets (a GPU name of GPU_ALIASES stands for its target), or an UnsupportedError naming the
+    valid ones: the target of a supported capability spelled another way (sm_90, sm_121a), that a
+    capability has no kernels (sm_89), or the closest name."""
     out = []
     for t in targets:
+        if t.lower() in GPU_ALIASES:
+            out.append(CAPABILITIES[GPU_ALIASES[t.lower()]][1])
+            continue
         if t not in TARGETS:
-            hint = f" (did you mean {t}a?)" if f"{t}a" in TARGETS else did_you_mean(t, TARGETS)
-            raise UnsupportedError(f"unknown target {t!r}{hint}; targets: {', '.join(TARGETS)}")
+            valid = f"targets: {', '.join(TARGETS)} (or a GPU name: {', '.join(GPU_ALIASES)})"
+            m = re.fullmatch(r"(?:sm|compute)_?(\d+)(\d)[af]?", t.lower())
+            # (a "capability" below 3.0 is a typo, e.g. sm_12a, not a GPU)
+            capability = (int(m.group(1)), int(m.group(2))) if m and int(m.group(1)) >= 3 else None
+            if capability in CAPABILITIES:
+                raise UnsupportedError(
+                    f"unknown target {t!r} (did you mean {CAPABILITIES[capability][1]}?); {valid}"
+                )
+            if capability is not None:
+                known = ", ".join(f"{a}.{b} ({tt})" for (a, b), (_, tt) in sorted(CAPABILITIES.items()))
+                raise UnsupportedError(
+                    f"{t!r}: compute capability {capability[0]}.{capability[1]} is not supported (no kernels "
+                    f"run there); supported: {known}"
+                )
+            hint = did_you_mean(t.lower(), [*TARGETS, *GPU_ALIASES])
+            raise UnsupportedError(f"unknown target {t!r}{hint}; {valid}")
         out.append(t)
     return tuple(out)
 

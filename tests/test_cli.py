@@ -68,6 +68,11 @@ def test_help_imports_no_torch(command):
     assert ours < 500_000, f"importing attn_prologue for --help took {ours / 1e6:.2f} s"
 
 
+def test_a_gpu_name_stands_for_its_target():
+    args = build_parser().parse_args(["build", "--targets", "H100,rtx5090,gb10,b300,sm_100a"])
+    assert args.targets == {"sm_90a", "sm_120f", "sm_103a", "sm_100a"}
+
+
 def test_version_names_the_package_and_what_it_runs_with_and_imports_no_torch():
     import importlib.metadata
 
@@ -105,6 +110,12 @@ def test_version_names_the_package_and_what_it_runs_with_and_imports_no_torch():
             ["build", "--variants", "qkv_d512r64_fp8_ds_mla_bf16_sm90_portable"],
             "did you mean 'qkv_d512r64_fp8_ds_mla_bf16_sm90'?",
         ),
+        (
+            ["build", "--targets", "sm_89"],
+            "'sm_89': compute capability 8.9 is not supported (no kernels run there); supported: 9.0 (sm_90a)",
+        ),
+        (["build", "--targets", "sm_121a"], "unknown target 'sm_121a' (did you mean sm_120f?)"),
+        (["build", "--targets", "h10"], "unknown target 'h10' (did you mean h100?)"),
         (
             ["build", "--numerics", "preset=vlm"],
             "unknown numerics preset 'vlm' (did you mean vllm?); presets: vllm,",
