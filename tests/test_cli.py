@@ -68,6 +68,10 @@ def test_help_imports_no_torch(command):
     assert ours < 500_000, f"importing attn_prologue for --help took {ours / 1e6:.2f} s"
 
 
+def test_simulate_takes_gpu_for_cuda():
+    assert build_parser().parse_args(["simulate", "--device", "GPU"]).device == "cuda"
+
+
 def test_a_gpu_name_stands_for_its_target():
     args = build_parser().parse_args(["build", "--targets", "H100,rtx5090,gb10,b300,sm_100a"])
     assert args.targets == {"sm_90a", "sm_120f", "sm_103a", "sm_100a"}

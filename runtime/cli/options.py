@@ -159,6 +159,12 @@ def _numerics_spec(text: str) -> str:
     return text
 
 
+def device_name(text: str) -> str:
+    """A --device value: "gpu" is what a user means by "cuda", and case does not matter."""
+    word = text.strip().lower()
+    return "cuda" if word == "gpu" else word
+
+
 targets = _typed("targets", _targets)
 numerics_spec = _typed("numerics", _numerics_spec)
 bench_change = _typed("bench change", _bench_change)

@@ -237,7 +237,7 @@ def _simulate(sub) -> None:
                    help="start the tp x dp ranks as local processes (otherwise run under torchrun, which sets RANK etc.)")  # fmt: skip
     s.add_argument("--backend", choices=["nccl", "gloo"],
                    help="torch.distributed backend (default: nccl with a GPU per local rank, else gloo: ranks share GPUs)")  # fmt: skip
-    s.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+    s.add_argument("--device", choices=["cuda", "cpu"], default="cuda", type=o.device_name,
                    help="cpu: the PyTorch reference on CPU tensors instead of the kernels (no allocating mode)")  # fmt: skip
     s.add_argument(
         "--timeout-s",
