@@ -19,7 +19,10 @@ def bind_device(device, what: str) -> torch.device:
             "or kv_rope_insert, which run the PyTorch reference)"
         )
     if not torch.cuda.is_available():
-        raise UnsupportedError(f"no CUDA device is available: {what}() needs an NVIDIA GPU")
+        raise UnsupportedError(
+            f"no CUDA device is available: {what}() needs an NVIDIA GPU (on CPU tensors call "
+            "attn_prologue.qnorm_rope_kv_insert or kv_rope_insert, which run the PyTorch reference)"
+        )
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device

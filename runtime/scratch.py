@@ -58,7 +58,10 @@ class ScratchPool:
         device = torch.device(device) if device is not None else torch.device("cuda")
         if device.type == "cuda" and device.index is None:
             if not torch.cuda.is_available():
-                raise ScratchError("no CUDA device is available: a scratch pool for the kernels needs a GPU")
+                raise ScratchError(
+                    'no CUDA device is available for the pool\'s default device: pass device="cpu" for '
+                    "buffers the CPU functions (the PyTorch reference) write, or reserve on a GPU"
+                )
             device = torch.device("cuda", torch.cuda.current_device())
         return (device, micro_batch, dtype, padded_heads, head_dim)
 

@@ -5,6 +5,7 @@ import dataclasses
 
 import attn_prologue as ap
 import pytest
+import torch
 from attn_prologue import variants
 from attn_prologue.errors import ScratchError, UnsupportedError
 from attn_prologue.formats import UnknownFormatError
@@ -223,3 +224,15 @@ def test_claimants_are_held_weakly():
     pool.claim(2, owner=Claimant(), padded_heads=8, head_dim=128, device="cpu")
     gc.collect()
     pool.release()  # a dropped bound op is not kept alive, nor called
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU is told")
+def test_without_a_gpu_the_pool_and_bind_point_to_the_cpu_way():
+    with pytest.raises(ScratchError, match='pass device="cpu"'):
+        ap.ScratchPool().reserve(max_tokens=4, padded_heads=8, head_dim=512)
+    pool = ap.ScratchPool()
+    assert pool.reserve(max_tokens=4, padded_heads=8, head_dim=512, device="cpu") == 2 * 4 * 8 * 512 * 2
+    with pytest.raises(UnsupportedError, match="call attn_prologue.qnorm_rope_kv_insert or kv_rope_insert"):
+        ap.bind(
+            num_heads=4, padded_heads=8, head_dim=512, rope_dim=64, cache_format="fp8_ds_mla", block_size=64
+        )
