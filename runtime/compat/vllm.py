@@ -280,7 +280,6 @@ class VllmOps:
     def __init__(self, namespace, form, pool, micro_batch, pad_heads, cache_format, qkv_name, kv_name,
                  numerics: dict[str, Numerics | None], kv_only: bool = False):  # fmt: skip
         self.namespace, self.form, self.pool, self.cache_format = namespace, form, pool, cache_format
-        self.names = (qkv_name, kv_name)
         self._numerics = numerics  # numerics_by_format: format -> the object its calls pass (one per format)
         self._scratch = _Scratch(pool, micro_batch, pad_heads)
         self._empty: dict[tuple, Tensor] = {}
