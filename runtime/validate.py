@@ -16,7 +16,6 @@ from .errors import InputError, UnsupportedError
 from .formats import get_format
 from .variants import (
     INTERLEAVED_PADDED_HEADS,
-    ArchFamily,
     IoDtype,
     Op,
     QLayout,
@@ -96,10 +95,10 @@ def _check_rows(name: str, t: torch.Tensor, ndim: int, head_dim: int, dtype) -> 
 
 
 def check_supported(request: Request) -> None:
-    """UnsupportedError (the reason `list --why` gives, and the nearest generated variants) unless a
-    module exists for the request. Every arch family has the same (op, D, R, format, dtype, Q output)
-    set, so SM90's stands for all here; the dispatcher then finds the device's own."""
-    find(request, ArchFamily.SM90)
+    """UnsupportedError (the reason `list --why` gives, and the nearest generated variants, named
+    without an arch) unless a module exists for the request on every arch; the dispatcher then
+    finds the device's own."""
+    find(request, None)
 
 
 def check_common(

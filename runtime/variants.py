@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
-from .errors import UnsupportedError, did_you_mean
+from .errors import UnsupportedError
 from .formats import FORMATS, CacheFormat, ElementCode, ScaleCode, get_format
 from .launch import LaunchConfig
 
@@ -147,47 +147,6 @@ TARGETS = tuple(dict.fromkeys(t for _, t in CAPABILITIES.values()))
 DEFAULT_BUILD_TARGETS = ("sm_90a", "sm_100a", "sm_120f")
 
 
-# GPU names a target may be given as (matched without regard to case), each its compute capability
-GPU_ALIASES: dict[str, tuple[int, int]] = {
-    **dict.fromkeys(("h100", "h200", "h800", "h20", "gh200"), (9, 0)),
-    **dict.fromkeys(("b200", "gb200"), (10, 0)),
-    **dict.fromkeys(("b300", "gb300"), (10, 3)),
-    "thor": (11, 0),
-    **dict.fromkeys(("rtx5090", "rtx5080", "rtx5070", "rtx-pro-6000"), (12, 0)),
-    **dict.fromkeys(("gb10", "dgx-spark"), (12, 1)),
-}
-
-
-def check_targets(targets) -> tuple[str, ...]:
-    """The targets (a GPU name of GPU_ALIASES stands for its target), or an UnsupportedError naming the
-    valid ones: the target of a supported capability spelled another way (sm_90, sm_121a), that a
-    capability has no kernels (sm_89), or the closest name."""
-    out = []
-    for t in targets:
-        if t.lower() in GPU_ALIASES:
-            out.append(CAPABILITIES[GPU_ALIASES[t.lower()]][1])
-            continue
-        if t not in TARGETS:
-            valid = f"targets: {', '.join(TARGETS)} (or a GPU name: {', '.join(GPU_ALIASES)})"
-            m = re.fullmatch(r"(?:sm|compute)_?(\d+)(\d)[af]?", t.lower())
-            # (a "capability" below 3.0 is a typo, e.g. sm_12a, not a GPU)
-            capability = (int(m.group(1)), int(m.group(2))) if m and int(m.group(1)) >= 3 else None
-            if capability in CAPABILITIES:
-                raise UnsupportedError(
-                    f"unknown target {t!r} (did you mean {CAPABILITIES[capability][1]}?); {valid}"
-                )
-            if capability is not None:
-                known = ", ".join(f"{a}.{b} ({tt})" for (a, b), (_, tt) in sorted(CAPABILITIES.items()))
-                raise UnsupportedError(
-                    f"{t!r}: compute capability {capability[0]}.{capability[1]} is not supported (no kernels "
-                    f"run there); supported: {known}"
-                )
-            hint = did_you_mean(t.lower(), [*TARGETS, *GPU_ALIASES])
-            raise UnsupportedError(f"unknown target {t!r}{hint}; {valid}")
-        out.append(t)
-    return tuple(out)
-
-
 def arch_for_capability(major: int, minor: int) -> tuple[ArchFamily, str]:
     """(family, compile target) of a compute capability, or an UnsupportedError listing the known ones."""
     try:
@@ -229,6 +188,11 @@ class Variant:
             f"{self.op.value}{self.q_out.name_part}{self.q_layout.name_part}_d{self.head_dim}r{self.rope_dim}_{self.cache_format}"
             f"_{self.io_dtype.value}_{self.arch.value}{'_portable' if portable else ''}"
         )
+
+    @property
+    def stem(self) -> str:
+        """The name less its arch part: what a request is called before a device picks the arch."""
+        return self.name[: self.name.rindex(f"_{self.arch.value}")]
 
     @property
     def format(self) -> CacheFormat:
@@ -431,26 +395,29 @@ def generated() -> frozenset[str]:
     return frozenset(registry.VARIANTS)
 
 
-def find(request: Request, arch: ArchFamily) -> Variant:
+def find(request: Request, arch: ArchFamily | None) -> Variant:
     """The generated variant for a request, or an UnsupportedError whose message is the reason
-    `list --why` prints for that combination plus the nearest generated variants."""
+    `list --why` prints for that combination plus the nearest generated variants. With no arch,
+    SM90's answers for all (every family has the same set) and the message names no arch."""
     get_format(request.cache_format)  # an unknown name: UnknownFormatError listing the known ones
-    v = request.variant(arch)
+    v = request.variant(arch or ArchFamily.SM90)
     if unsupported_reason(v) is None and v.name in generated():
         return v
-    raise UnsupportedError(not_generated(v))
+    raise UnsupportedError(not_generated(v, with_arch=arch is not None))
 
 
-def not_generated(v: Variant) -> str:
-    """Why v has no generated module, and the nearest that exist (`find`'s and the CLI's message)."""
+def not_generated(v: Variant, with_arch: bool = True) -> str:
+    """Why v has no generated module, and the nearest that exist (`find`'s and the CLI's message);
+    without the arch, names are stems (a caller that asked for no arch is not told of one)."""
     why = (
         unsupported_reason(v)
         or "it is supported but was not generated (run `python -m attn_prologue generate`)"
     )
-    return f"no kernel variant {v.name}: {why}; nearest generated: {', '.join(nearest(v))}"
+    near = nearest(v) if with_arch else list(dict.fromkeys(parse_name(n).stem for n in nearest(v, None)))[:3]
+    return f"no kernel variant {v.name if with_arch else v.stem}: {why}; nearest generated: {', '.join(near)}"
 
 
-def nearest(v: Variant, count: int = 3) -> list[str]:
+def nearest(v: Variant, count: int | None = 3) -> list[str]:
     """The generated variants that differ from v on the fewest axes (ties by name)."""
     mine = {f: getattr(v, f) for f in Variant.__dataclass_fields__}
 

@@ -281,3 +281,18 @@ def test_bench_also_applies_each_change_where_the_format_has_it(capsys):
     assert [s.cache_format for s in out if s.numerics] == ["fp8_ds_mla"]
     assert len(skipped) == len(shapes) - 1 and all("flashmla" in line for line in skipped)
     assert " lean_quant" in out[1].label and "numerics=preset=flashmla" in out[2].label
+
+
+def test_a_variant_typed_without_an_arch_is_answered_without_one():
+    """A name or prefix with no arch part gets the reason and nearest names with none either; one that
+    names an arch keeps it."""
+    from attn_prologue.cli.options import explain_name
+
+    whole = explain_name("qkv_d256r64_fp8_ds_mla_bf16")
+    assert whole.startswith("no kernel variant qkv_d256r64_fp8_ds_mla_bf16: fp8_ds_mla stores D=512/R=64")
+    assert "nearest generated: qkv_d512r64_fp8_ds_mla_bf16, " in whole and "_sm" not in whole
+    for prefix in ("kv_d512r64_mxfp4", "qkv_d256", "kv_d512r64_mxfp4_bf16_s"):
+        assert "closest generated: " in explain_name(prefix) and "_sm" not in explain_name(prefix)
+    assert "nearest generated: qkv_d512r64_fp8_ds_mla_bf16_sm120" in explain_name(
+        "qkv_d256r64_fp8_ds_mla_bf16_sm120"
+    )

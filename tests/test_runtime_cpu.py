@@ -7,6 +7,7 @@ import attn_prologue as ap
 import pytest
 import torch
 from attn_prologue import variants
+from attn_prologue.cli.options import check_targets
 from attn_prologue.errors import ScratchError, UnsupportedError
 from attn_prologue.formats import UnknownFormatError
 from attn_prologue.generated import registry
@@ -38,7 +39,7 @@ def test_capabilities_map_to_families_and_targets():
         with pytest.raises(UnsupportedError, match=f"{unknown[0]}.{unknown[1]}.*supported"):
             arch_for_capability(*unknown)
     with pytest.raises(UnsupportedError, match="did you mean sm_90a"):
-        variants.check_targets(["sm_90"])
+        check_targets(["sm_90"])
     assert {t for f in ArchFamily for t in f.targets} == set(variants.TARGETS)
 
 
@@ -236,3 +237,25 @@ def test_without_a_gpu_the_pool_and_bind_point_to_the_cpu_way():
         ap.bind(
             num_heads=4, padded_heads=8, head_dim=512, rope_dim=64, cache_format="fp8_ds_mla", block_size=64
         )
+
+
+@pytest.mark.parametrize("head_dim", [256, 96])
+def test_a_call_that_names_no_arch_is_not_told_of_one(head_dim):
+    """A head dim no module takes, on the CPU (the reference): the miss names the request and its
+    nearest generated variants without an arch (it was named as an _sm90 variant)."""
+    n, h = 4, 8
+    with pytest.raises(UnsupportedError) as info:
+        ap.qnorm_rope_kv_insert(
+            torch.randn(n, h, head_dim, dtype=torch.bfloat16), torch.randn(n, head_dim, dtype=torch.bfloat16),
+            torch.empty(n, h, head_dim, dtype=torch.bfloat16), torch.zeros(8, 64 * 584, dtype=torch.uint8),
+            torch.arange(n), torch.arange(n), torch.rand(64, 64), 1e-6, 64,
+        )  # fmt: skip
+    msg = str(info.value)
+    assert msg.startswith(f"no kernel variant qkv_d{head_dim}r64_fp8_ds_mla_bf16: ")
+    assert "_sm" not in msg and "nearest generated: qkv_d512r64_fp8_ds_mla_bf16" in msg
+    with pytest.raises(
+        UnsupportedError, match=f"no kernel variant kv_d{head_dim}r64_fp8_ds_mla_bf16: "
+    ) as info:
+        ap.kv_rope_insert(torch.randn(n, head_dim, dtype=torch.bfloat16), torch.zeros(8, 64 * 584, dtype=torch.uint8),
+                          torch.arange(n), torch.arange(n), torch.rand(64, 64), 64, "fp8_ds_mla")  # fmt: skip
+    assert "_sm" not in str(info.value)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 
-from ..errors import UnsupportedError
+from ..errors import UnsupportedError, did_you_mean
 from ..parity import Numerics
 from ..presets import get_preset
-from ..variants import NAME, check_targets, did_you_mean, generated, not_generated, parse_name
+from ..variants import CAPABILITIES, NAME, TARGETS, generated, not_generated, parse_name
 
 
 class Parser(argparse.ArgumentParser):
@@ -117,6 +118,47 @@ def counts(minimum: int = 1):
     return _typed("list of int", lambda text: [one(t) for t in text.split(",")])
 
 
+# GPU names a target may be given as (matched without regard to case), each its compute capability
+GPU_ALIASES: dict[str, tuple[int, int]] = {
+    **dict.fromkeys(("h100", "h200", "h800", "h20", "gh200"), (9, 0)),
+    **dict.fromkeys(("b200", "gb200"), (10, 0)),
+    **dict.fromkeys(("b300", "gb300"), (10, 3)),
+    "thor": (11, 0),
+    **dict.fromkeys(("rtx5090", "rtx5080", "rtx5070", "rtx-pro-6000"), (12, 0)),
+    **dict.fromkeys(("gb10", "dgx-spark"), (12, 1)),
+}
+
+
+def check_targets(targets) -> tuple[str, ...]:
+    """The targets (a GPU name of GPU_ALIASES stands for its target), or an UnsupportedError naming the
+    valid ones: the target of a supported capability spelled another way (sm_90, sm_121a), that a
+    capability has no kernels (sm_89), or the closest name."""
+    out = []
+    for t in targets:
+        if t.lower() in GPU_ALIASES:
+            out.append(CAPABILITIES[GPU_ALIASES[t.lower()]][1])
+            continue
+        if t not in TARGETS:
+            valid = f"targets: {', '.join(TARGETS)} (or a GPU name: {', '.join(GPU_ALIASES)})"
+            m = re.fullmatch(r"(?:sm|compute)_?(\d+)(\d)[af]?", t.lower())
+            # (a "capability" below 3.0 is a typo, e.g. sm_12a, not a GPU)
+            capability = (int(m.group(1)), int(m.group(2))) if m and int(m.group(1)) >= 3 else None
+            if capability in CAPABILITIES:
+                raise UnsupportedError(
+                    f"unknown target {t!r} (did you mean {CAPABILITIES[capability][1]}?); {valid}"
+                )
+            if capability is not None:
+                known = ", ".join(f"{a}.{b} ({tt})" for (a, b), (_, tt) in sorted(CAPABILITIES.items()))
+                raise UnsupportedError(
+                    f"{t!r}: compute capability {capability[0]}.{capability[1]} is not supported (no kernels "
+                    f"run there); supported: {known}"
+                )
+            hint = did_you_mean(t.lower(), [*TARGETS, *GPU_ALIASES])
+            raise UnsupportedError(f"unknown target {t!r}{hint}; {valid}")
+        out.append(t)
+    return tuple(out)
+
+
 def _targets(text: str) -> set[str]:
     return set(check_targets(text.split(",")))
 
@@ -180,6 +222,8 @@ def matches(name: str, patterns) -> bool:
 def explain_name(name: str) -> str:
     """What is wrong with a variant name (or name prefix) a user typed that matches nothing: the
     reason and nearest generated variants for a well-formed name, else the closest names or prefixes."""
+    if NAME.fullmatch(name + "_sm90"):  # a whole name but the arch: answered without naming one
+        return not_generated(parse_name(name + "_sm90"), with_arch=False)
     if NAME.fullmatch(name) is None:
         return f"{name!r} is not a variant name or prefix" + "".join(
             f"; closest generated: {', '.join(close)}" for close in [_closest_prefixes(name)] if close
@@ -193,7 +237,7 @@ def explain_name(name: str) -> str:
 def _closest_prefixes(typed: str, count: int = 3) -> list[str]:
     """Generated names whose start is most like `typed`, each cut at the end of the axis it reaches."""
     scored = {}
-    for n in generated():
+    for n in {n if "_sm" in typed else parse_name(n).stem for n in generated()}:  # no arch not asked for
         end = n.find("_", len(typed))
         cut = n if end < 0 else n[:end]
         start, whole = (difflib.SequenceMatcher(None, typed, s).ratio() for s in (n[: len(typed)], cut))
