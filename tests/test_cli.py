@@ -7,6 +7,7 @@ kernel cache."""
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -245,7 +246,7 @@ def test_cache_shows_where_what_and_cleans(tmp_path):
     proc = run("cache", "--cache-dir", str(root))
     assert proc.returncode == 0, proc.stderr
     assert f"kernel cache: {root}" in proc.stdout and "sm_90a       1 kernels" in proc.stdout
-    assert "1 kernels, 1 lock files" in proc.stdout
+    assert re.search(r"^  1 kernels, [\d.]+ MiB$", proc.stdout, re.M) and "lock" not in proc.stdout
     assert "native fastpath: not built" in proc.stdout  # nothing in this fresh cache yet
     built = native.build("fastpath", root)
     assert f"native fastpath: {built}" in run("cache", "--cache-dir", str(root)).stdout

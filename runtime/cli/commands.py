@@ -208,18 +208,16 @@ def cmd_cache(args) -> int:
     if not root.exists():
         return 0
     entries: collections.Counter = collections.Counter()
-    size = locks = 0
+    size = 0  # (lock files are counted in the size only: one per entry, they say nothing)
     for path in root.rglob("*"):
         if path.is_symlink() or not path.is_file():
             continue
         size += path.stat().st_size
-        if path.name.endswith(".lock") or path.name.endswith(".lock-owner"):
-            locks += 1
-        elif path.name == "meta.json" and len(path.relative_to(root).parts) == 5:  # host/target/variant/entry
+        if path.name == "meta.json" and len(path.relative_to(root).parts) == 5:  # host/target/variant/entry
             entries[path.relative_to(root).parts[1]] += 1
     for target, count in sorted(entries.items()):
         print(f"  {target:8} {count:5d} kernels")
-    print(f"  {sum(entries.values())} kernels, {locks} lock files, {size / 2**20:.1f} MiB")
+    print(f"  {sum(entries.values())} kernels, {size / 2**20:.1f} MiB")
     _print_native(root)
     if args.clean:
         removed = cache.clean()  # only what the cache made; refuses a link, another owner, foreign files
