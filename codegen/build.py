@@ -117,7 +117,13 @@ def balanced_shards(
     return {f"part{i + 1}of{parts}": ordered[i::parts] for i in range(parts)}
 
 
-def write_graph(cache: KernelCache, keys: list[tuple[Variant, KernelKey]], path: Path, jobs: int = 2) -> dict:
+def write_graph(
+    cache: KernelCache,
+    keys: list[tuple[Variant, KernelKey]],
+    path: Path,
+    jobs: int = 2,
+    verbose: bool = False,
+) -> dict:
     """Write a ninja graph compiling `keys`; returns {shard: [the entries' meta paths]}.
 
     An edge's output is a stamp file its worker writes once every entry of the shard is published, not
@@ -132,7 +138,9 @@ def write_graph(cache: KernelCache, keys: list[tuple[Variant, KernelKey]], path:
         f"cache = {ninja_shell_word(str(cache.root))}",
         "",
         "rule compile",
-        "  command = $python -m attn_prologue compile-entries --cache-dir $cache --stamp $out $entries",
+        "  command = $python -m attn_prologue compile-entries --cache-dir $cache --stamp $out"
+        + (" --verbose" if verbose else "")
+        + " $entries",
         "  description = compile $shard ($count kernels)",
         "",
     ]
@@ -151,37 +159,58 @@ def write_graph(cache: KernelCache, keys: list[tuple[Variant, KernelKey]], path:
     return outputs
 
 
-def compile_entries(cache: KernelCache, specs: list[str], stamp: Path | None = None) -> None:
-    """Worker: compile 'variant:target:config' entries into the cache (a ninja edge), then its stamp."""
+def compile_entries(
+    cache: KernelCache, specs: list[str], stamp: Path | None = None, verbose: bool = False
+) -> None:
+    """Worker: compile 'variant:target:config' entries into the cache (a ninja edge), then its stamp;
+    a line per kernel only when verbose (`build --verbose`)."""
     for spec in specs:
         variant, target, cfg = spec.split(":")
         t0 = time.perf_counter()
         meta = cache.ensure_built(KernelKey(variant, LaunchConfig.from_key(cfg), target))
-        regs = resources(meta)["registers"]
-        print(f"  {variant} {target} {cfg}: {regs} regs, {time.perf_counter() - t0:.2f}s", flush=True)
+        if verbose:
+            regs = resources(meta)["registers"]
+            print(f"  {variant} {target} {cfg}: {regs} regs, {time.perf_counter() - t0:.2f}s", flush=True)
     if stamp is not None:
         stamp.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_private(stamp, "".join(f"{s}\n" for s in specs))
 
 
-PROGRESS_SECONDS = 20.0
+PROGRESS_SECONDS = 1.0  # how often the published entries are counted
 
 
-def run_ninja(cmd: list[str], cache: KernelCache, keys: list[KernelKey]) -> int:
-    """Run ninja; every PROGRESS_SECONDS, a line counting the entries published so far (ninja shows an
-    edge's output only when the edge ends, and there is one edge per job). Its exit status."""
+def run_ninja(
+    cmd: list[str], cache: KernelCache, keys: list[KernelKey], lines: bool = False, out=None
+) -> int:
+    """Run ninja, counting the entries published so far (ninja shows an edge's output only when the
+    edge ends, and there is one edge per job): on a terminal one line rewritten in place; in a log (not
+    a terminal, or `lines`) a line each time another quarter is done, three at most. Its exit status."""
+    out = out or sys.stdout
+    in_place = not lines and out.isatty()
     t0 = time.perf_counter()
+    quarters = 0
+
+    def show(done: int, end: str = "") -> None:
+        text = f"build: {done}/{len(keys)} kernels compiled ({time.perf_counter() - t0:.0f}s)"
+        out.write(f"\r{text}{end}" if in_place else f"{text}\n")
+        out.flush()
+
     proc = subprocess.Popen(cmd)
     try:
         while True:
             try:
-                return proc.wait(timeout=PROGRESS_SECONDS)
+                returncode = proc.wait(timeout=PROGRESS_SECONDS)
             except subprocess.TimeoutExpired:
                 done = sum(cache.meta_path(k).exists() for k in keys)
-                print(
-                    f"build: {done}/{len(keys)} kernels compiled ({time.perf_counter() - t0:.0f}s)",
-                    flush=True,
-                )
+                if in_place:
+                    show(done)
+                elif quarters < 4 * done // len(keys) < 4:
+                    quarters = 4 * done // len(keys)
+                    show(done)
+                continue
+            if in_place:  # the last count stays on its line; the summary follows
+                show(sum(cache.meta_path(k).exists() for k in keys), "\n")
+            return returncode
     except BaseException:  # (Ctrl-C: ninja and its workers got the SIGINT too; as subprocess.run does)
         proc.kill()
         proc.wait()
@@ -209,12 +238,11 @@ def run(
     if missing:
         here = cache.make_private_dirs("build", f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
         graph = here / "build.ninja"
-        write_graph(cache, missing, graph, jobs)
+        write_graph(cache, missing, graph, jobs, verbose)
         cmd = [sys.executable, "-m", "ninja", "-C", str(here), "-f", graph.name, "-j", str(jobs)]
-        if verbose:
-            cmd.append("-v")
+        cmd.append("-v" if verbose else "--quiet")  # (--quiet: no status line per edge; failures still print)
         try:
-            returncode = run_ninja(cmd, cache, [k for _, k in missing])
+            returncode = run_ninja(cmd, cache, [k for _, k in missing], lines=verbose)
         finally:
             shutil.rmtree(here, ignore_errors=True)  # (its stamps, graph and log are this build's alone)
         if returncode != 0:

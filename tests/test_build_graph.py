@@ -4,6 +4,7 @@ graph matches its subset, and a second `build` does no work."""
 from __future__ import annotations
 
 import collections
+import io
 import os
 import re
 import shlex
@@ -153,20 +154,43 @@ def test_shards_balance_for_the_jobs():
         )
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 def test_run_ninja_reports_progress_and_the_exit_status(tmp_path, monkeypatch, capsys):
-    """While ninja runs, a line every PROGRESS_SECONDS counts the entries already published; the
-    command's exit status comes back (here a stand-in command that publishes one entry of two)."""
+    """While ninja runs the entries already published are counted: in a log, a line per quarter of
+    them done (three at most); on a terminal, one line rewritten in place that keeps the last count.
+    The command's exit status comes back (here a stand-in that publishes one entry of two)."""
     cache = KernelCache(tmp_path / "cache")
     keys = [k for _, k in build.build_keys([v for v in variant_space() if v.name.startswith(SMALL)])][:2]
     cache.meta_path(keys[0]).parent.mkdir(parents=True)
     cache.meta_path(keys[0]).write_text("{}")
     monkeypatch.setattr(build, "PROGRESS_SECONDS", 0.2)
-    assert build.run_ninja([sys.executable, "-c", "import time; time.sleep(1.5)"], cache, keys) == 0
+    wait = [sys.executable, "-c", "import time; time.sleep(1.5)"]
+    assert build.run_ninja(wait, cache, keys) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) >= 3 and all(
-        re.fullmatch(r"build: 1/2 kernels compiled \(\d+s\)", line) for line in lines
+    assert len(lines) == 1 and re.fullmatch(r"build: 1/2 kernels compiled \(\d+s\)", lines[0]), lines
+    terminal = _Terminal()
+    assert build.run_ninja(wait, cache, keys, out=terminal) == 0
+    shown = terminal.getvalue()
+    assert shown.count("\n") == 1 and shown.endswith("\n") and shown.count("\r") >= 3
+    assert all(
+        re.fullmatch(r"build: 1/2 kernels compiled \(\d+s\)", s) for s in shown.strip().split("\r")[1:]
     )
     assert build.run_ninja([sys.executable, "-c", "raise SystemExit(3)"], cache, keys) == 3
+
+
+def test_a_kernel_line_each_only_when_verbose(tmp_path):
+    """`build` passes --verbose on to its workers (and -v to ninja), else --quiet: a per-kernel line is
+    printed only when asked for."""
+    keys = build.build_keys([v for v in variant_space() if v.name.startswith(SMALL)])
+    for verbose in (False, True):
+        graph = tmp_path / str(verbose) / "build.ninja"
+        build.write_graph(KernelCache(tmp_path / "cache"), keys, graph, jobs=1, verbose=verbose)
+        rule = next(line for line in graph.read_text().splitlines() if line.startswith("  command = "))
+        assert ("--verbose" in rule) == verbose
 
 
 @pytest.mark.slow
@@ -239,6 +263,9 @@ def test_two_builds_of_different_sets_into_one_cache(tmp_path):
     ]  # fmt: skip
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
+    for out in outs:  # not a terminal: at most three progress lines, no line per kernel or ninja edge
+        assert len(re.findall(r"^build: \d+/\d+ kernels compiled", out, re.M)) <= 3
+        assert not re.search(r" regs, |^\[\d+/\d+\] ", out, re.M), out
     cache = KernelCache(root)
     keys = [k for _, k in build.build_keys([v for v in variant_space() if v.name.startswith(tuple(sets))])]
     assert all(cache.read_meta(k) is not None for k in keys)

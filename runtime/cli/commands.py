@@ -250,5 +250,5 @@ def cmd_compile_entries(args) -> int:
             del sys.modules["torch"]
     from ..codegen import build
 
-    build.compile_entries(_cache(args), args.entries, Path(args.stamp) if args.stamp else None)
+    build.compile_entries(_cache(args), args.entries, Path(args.stamp) if args.stamp else None, args.verbose)
     return 0

@@ -88,7 +88,9 @@ def build_parser() -> o.Parser:
                    "repeatable), for the formats that accept them: calls with exactly those choices then run "
                    "as fast as the defaults (default: none; they read the choices at run time)")  # fmt: skip
     s.add_argument("--report", help=f"write every entry's metadata as JSON here {NOT_WRITTEN}")
-    s.add_argument("--verbose", "-v", action="store_true", help="show every compile command ninja runs")
+    s.add_argument(
+        "--verbose", "-v", action="store_true", help="a line per kernel compiled and every command ninja runs"
+    )
 
     s = _command(sub, "bench", f"{LAB}:run_bench",
                  "time the op against a copy of its bytes, torch eager and torch.compile (GPU)", gpu="")  # fmt: skip
@@ -188,6 +190,7 @@ def build_parser() -> o.Parser:
     )
     s.add_argument("--cache-dir", help=f"the kernel cache to compile into {DEFAULT_CACHE}")
     s.add_argument("--stamp", help="file to write once every entry is in the cache (default: none)")
+    s.add_argument("--verbose", action="store_true", help="a line per kernel compiled")
     s.add_argument("entries", nargs="+", help="variant:target:config triples")
     return p
 
