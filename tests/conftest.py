@@ -1,5 +1,7 @@
 """Shared test setup. GPU tests are marked `gpu` and skipped (never passed) without a CUDA device."""
 
+import collections
+
 import pytest
 import torch
 
@@ -18,6 +20,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Skips counted by reason, a line each, so that the run ends on its counts rather than on a page
+    of skip lines (pyproject's -r asks pytest's own summary for failures and errors only)."""
+    reasons = collections.Counter(skip_reason(r) for r in terminalreporter.stats.get("skipped", ()))
+    if reasons:
+        terminalreporter.section("skipped, by reason", sep="-")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"{count:5d}  {reason}")
+
+
+def skip_reason(report) -> str:
+    """A skip's reason, as pytest's -rs prints it."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
 
 
 @pytest.fixture(scope="session")
