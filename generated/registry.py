@@ -3,6 +3,22 @@
 name (attn_prologue.variants.parse_name): the dispatcher reads this, never the generator."""
 
 VARIANTS = (
+    "index_q_d128r64_fp8_token_bf16_sm100",
+    "index_q_d128r64_fp8_token_bf16_sm120",
+    "index_q_d128r64_fp8_token_bf16_sm90",
+    "index_q_d128r64_fp8_token_fp16_sm100",
+    "index_q_d128r64_fp8_token_fp16_sm120",
+    "index_q_d128r64_fp8_token_fp16_sm90",
+    "index_q_d128r64_mxfp4_bf16_sm100",
+    "index_q_d128r64_mxfp4_bf16_sm100_portable",
+    "index_q_d128r64_mxfp4_bf16_sm120",
+    "index_q_d128r64_mxfp4_bf16_sm120_portable",
+    "index_q_d128r64_mxfp4_bf16_sm90",
+    "index_q_d128r64_mxfp4_fp16_sm100",
+    "index_q_d128r64_mxfp4_fp16_sm100_portable",
+    "index_q_d128r64_mxfp4_fp16_sm120",
+    "index_q_d128r64_mxfp4_fp16_sm120_portable",
+    "index_q_d128r64_mxfp4_fp16_sm90",
     "kv_d128r64_bf16_bf16_sm100",
     "kv_d128r64_bf16_bf16_sm120",
     "kv_d128r64_bf16_bf16_sm90",

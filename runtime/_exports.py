@@ -10,6 +10,7 @@ from .codecs import decode_cache
 from .dispatch import Runtime, default_runtime
 from .errors import AttnPrologueError, InputError, RegistrationError, ScratchError, UnsupportedError
 from .formats import FORMATS, get_format
+from .index_q_ops import index_q_rope_quant
 from .launch import LaunchConfig
 from .ops import kv_rope_insert, qnorm_rope_kv_insert
 from .scratch import ScratchPool
@@ -31,6 +32,7 @@ __all__ = [
     "decode_cache",
     "default_runtime",
     "get_format",
+    "index_q_rope_quant",
     "kv_rope_insert",
     "qnorm_rope_kv_insert",
 ]

@@ -247,7 +247,7 @@ class Runtime:
             config or self.config(v, facts.index, 1 << i, heads, written, compress_ratio)
             for i in range(MAX_BUCKET_LOG2 + 1)
         ]
-        bits = v.format.numerics_flags() if numerics is None else numerics
+        bits = v.default_numerics if numerics is None else numerics
         return tuple(
             self.launcher(
                 v, self.serving_config(v, replace(c, slots32=slots32), bits, facts.target), facts.index
@@ -260,7 +260,7 @@ class Runtime:
         bits (defaults_only, folded_numerics). Then the first that is built of: c folded to these bits
         (`build --numerics SPEC` compiles it), c reading them at run time, the arch's default config
         (every build compiles it) reading them at run time."""
-        folds = v.format.numerics_flags() if c.defaults_only else c.folded_numerics
+        folds = v.default_numerics if c.defaults_only else c.folded_numerics
         if folds < 0 or folds == bits:
             return c
         twin = replace(c, defaults_only=False, folded_numerics=-1)

@@ -37,7 +37,7 @@ class Launcher:
     def order(self, values: dict) -> tuple:
         """Every argument by name, in the compiled order. Defaults: max_ctas this device's cap, numerics
         the cache format's parity choices, the full op's modes (both Q steps, every row inserted)."""
-        defaults = {"max_ctas": self.max_ctas, "numerics": self.variant.format.numerics_flags()}
+        defaults = {"max_ctas": self.max_ctas, "numerics": self.variant.default_numerics}
         defaults.update((k, v) for k, v in (("q_flags", 0), ("compress_ratio", 1)) if k in self.arguments)
         values = {**defaults, **values}
         missing = [a for a in self.arguments if a not in values]

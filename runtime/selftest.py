@@ -181,6 +181,10 @@ def run(launcher: Launcher, errors: torch.Tensor, arena: Arena) -> tuple[bool, s
     """Run the launcher's kernel on random rows and the edge rows, compare every output byte with
     the reference on the CPU. Allocates nothing on the GPU beyond `arena`."""
     v = launcher.variant
+    if v.op is Op.INDEX_Q:
+        from . import selftest_index_q
+
+        return selftest_index_q.run(launcher, errors, arena, edge_rows)
     fmt = v.format
     g = torch.Generator().manual_seed(20261129)
     dt = v.io_dtype.torch_dtype

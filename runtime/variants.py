@@ -26,6 +26,7 @@ class Op(enum.Enum):
     QKV = "qkv"  # Q norm + RoPE into q_out, KV RoPE + quantize + insert
     KV = "kv"  # KV RoPE + quantize + insert only
     KV_NORM = "kv_norm"  # KV weighted RMSNorm (rounded to the I/O dtype), RoPE, quantize, insert
+    INDEX_Q = "index_q"  # the sparse indexer's Q: RoPE, FP8 / MXFP4 quantize, weights folded (index_q.py)
 
     @property
     def has_q(self) -> bool:
@@ -202,7 +203,14 @@ class Variant:
     def uses_arch_conversions(self) -> bool:
         """Does the format need a UE8M0 or E2M1 conversion (the arch-specific pieces)?"""
         f = self.format
+        if self.op is Op.INDEX_Q:  # its scales come from the float32 bits on every target: only E2M1 differs
+            return f.element is ElementCode.E2M1
         return f.scale in (ScaleCode.UE8M0, ScaleCode.F32_POW2) or f.element is ElementCode.E2M1
+
+    @property
+    def default_numerics(self) -> int:
+        """The kernels' `numerics` bits when a call gives none (and what a defaults_only module folds)."""
+        return 0 if self.op is Op.INDEX_Q else self.format.numerics_flags()
 
     @property
     def portable_fallback(self) -> Variant | None:
@@ -216,6 +224,10 @@ class Variant:
         """Run-time arguments of the compiled function, in order (the stream is the current torch
         stream). The template renders its signature from this, so it is the one argument order."""
         op, fmt = self.op, self.format
+        if op is Op.INDEX_Q:
+            scales = ["q_scales"] if fmt.element is ElementCode.E2M1 else []
+            return ("q_in", "weights", "q_out", *scales, "weights_out", "positions", "cos_sin_cache", "errors",
+                    "weights_scale", "head_scale", "weights_bf16", "numerics", "checked", "max_ctas")  # fmt: skip
         names = ["q_in"] if op is Op.QKV else []
         names.append("kv")
         if op is Op.QKV:
@@ -281,6 +293,8 @@ def unsupported_reason(v: Variant) -> str | None:
     """Why a combination is not generated (None: supported). One predicate for the whole space."""
     f = v.format
     d, r = v.head_dim, v.rope_dim
+    if v.op is Op.INDEX_Q and (why := _index_q_unsupported(v)):
+        return why
     if not (d == 128 or d % 256 == 0):
         return f"head_dim={d}: the lane mapping needs D == 128 or D % 256 == 0"
     if r % 8 != 0 or not 0 < r <= d:
@@ -316,6 +330,21 @@ def unsupported_reason(v: Variant) -> str | None:
         and not v.uses_arch_conversions
     ):
         return f"{f.name} uses no UE8M0/E2M1 conversion, so a portable {v.arch.value} module would equal the native one"
+    return None
+
+
+# the indexer's Q rows: 8 lanes of a row hold vectors j and j + 8 (templates/index_q.py.jinja)
+INDEX_Q_HEAD_DIMS = ((128, 64),)
+INDEX_Q_FORMATS = ("fp8_token", "mxfp4")  # the quantized Q of the indexer keys' two record formats
+
+
+def _index_q_unsupported(v: Variant) -> str | None:
+    if (v.head_dim, v.rope_dim) not in INDEX_Q_HEAD_DIMS:
+        return f"index_q: generated for (D, R) in {INDEX_Q_HEAD_DIMS}, not ({v.head_dim}, {v.rope_dim})"
+    if v.cache_format not in INDEX_Q_FORMATS:
+        return f"index_q quantizes Q as {' or '.join(INDEX_Q_FORMATS)}, not {v.cache_format}"
+    if v.q_out is not QOut.IO or v.q_layout is not QLayout.HEAD_MAJOR:
+        return "index_q has its own outputs: no q_out dtype or Q layout axis applies"
     return None
 
 

@@ -1,0 +1,67 @@
+"""What templates/index_q.py.jinja needs to know about one index_q variant (the indexer's Q prologue)."""
+
+from __future__ import annotations
+
+from attn_prologue.formats import ElementCode
+from attn_prologue.index_q import MXFP4_BLOCK, MXFP4_FLOOR, IndexQFlag
+from attn_prologue.variants import Variant
+
+from .plan import VEC, WARP, Argument
+
+
+def _signature(v: Variant, mxfp4: bool) -> list[Argument]:
+    """The compiled function's arguments in `Variant.arguments` order. q_in, weights, q_out, q_scales, weights_out
+    and positions share the token count, and the first four the head count: TVM-FFI refuses a call whose counts
+    differ before it launches. weights_out is taken as bytes (float32 or bf16: the weights_bf16 argument)."""
+    d, io = "HEAD_DIM", "IO_DTYPE"
+    row = "cute.sym_int64(divisibility=16)"
+    code_bytes = f"{d} // 2" if mxfp4 else d
+    tensors = {
+        "q_in": f"make_fake_tensor({io}, (tokens, heads, {d}), ({row}, {d}, 1), assumed_align=16)",
+        "weights": f"make_fake_tensor({io}, (tokens, heads), (cute.sym_int64(), 1), assumed_align=2)",
+        "q_out": f"make_fake_tensor(Uint8, (tokens, heads, {code_bytes}), ({row}, {code_bytes}, 1), assumed_align=16)",
+        "q_scales": f"make_fake_tensor(Uint8, (tokens, heads, {d} // 32), (cute.sym_int64(divisibility=4), {d} // 32, 1), assumed_align=4)",
+        "weights_out": "make_fake_tensor(Uint8, (tokens, cute.sym_int32()), (cute.sym_int64(divisibility=2), 1), assumed_align=2)",
+        "positions": "make_fake_compact_tensor(Int64, (tokens,), assumed_align=8)",
+        "cos_sin_cache": "make_fake_compact_tensor(Float32, (cute.sym_int32(), ROPE_DIM), stride_order=(1, 0), assumed_align=16)",
+        "errors": "make_fake_compact_tensor(Int32, (2,), assumed_align=4)",
+    }
+    scalars = {
+        "weights_scale": ("Float32", "Float32(1.0)"),
+        "head_scale": ("Float32", "Float32(1.0)"),
+        "weights_bf16": ("Int32", "Int32(0)"),
+        "numerics": ("Int32", "Int32(0)"),  # index_q.IndexQFlag bits
+        "checked": ("Int32", "Int32(0)"),
+        "max_ctas": ("Int32", "Int32(0)"),
+    }
+    out = {name: Argument(name, "cute.Tensor", fake) for name, fake in tensors.items()}
+    out.update({name: Argument(name, t, fake) for name, (t, fake) in scalars.items()})
+    return [out[name] for name in v.arguments]
+
+
+def make_index_q_plan(v: Variant) -> dict:
+    mxfp4 = v.format.element is ElementCode.E2M1
+    lanes = v.head_dim // (2 * VEC)  # two vectors a lane: j and j + lanes
+    return {
+        "lanes_per_row": lanes,
+        "rows_per_pass": WARP // lanes,
+        "slots": 2,
+        "tail_vector": (v.head_dim - v.rope_dim) // VEC,
+        "io_bytes": 2,
+        "mxfp4": mxfp4,
+        "block_lanes": MXFP4_BLOCK // VEC,
+        "mxfp4_floor": f"float.fromhex({MXFP4_FLOOR.hex()!r})",
+        "numerics_flags": {f.name: int(f) for f in IndexQFlag},
+        "default_numerics": 0,
+        # what conversions/*.jinja read: the E2M1 packing only (no UE8M0 instruction, no lean I/O codes)
+        "needs_e2m1": mxfp4,
+        "needs_ue8m0": False,
+        "e2m1_io_codes": False,
+        "signature": _signature(v, mxfp4),
+        "shared_symbols": {"tokens": "cute.sym_int32()", "heads": "cute.sym_int32()"},
+    }
+
+
+def describe_index_q(v: Variant) -> str:
+    q = "FP8 (per-row power-of-two scale folded into weights_out)" if v.format.element is ElementCode.E4M3 else "MXFP4"
+    return f"indexer Q RoPE + {q} quantize; D={v.head_dim}, R={v.rope_dim}, {v.io_dtype.value} I/O."
