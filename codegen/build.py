@@ -23,13 +23,13 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from attn_prologue import tuning
+from attn_prologue import index_q, tuning
 from attn_prologue.jit import compiler
 from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.jit.trusted_fs import write_private
 from attn_prologue.launch import LaunchConfig
 from attn_prologue.parity import NumericsError
-from attn_prologue.variants import CAPABILITIES, DEFAULT_BUILD_TARGETS, Variant
+from attn_prologue.variants import CAPABILITIES, DEFAULT_BUILD_TARGETS, Op, Variant
 
 from .variants import variant_space
 
@@ -71,22 +71,25 @@ def build_keys(
             chosen |= tuned.get((v.name, t), set())
             # calls with parity choices run the arch default (Runtime.serving_config), or these folded modules
             folding = [c for c in chosen if c.defaults_only]
-            for bits in folded_bits(v.format, numerics):
+            for bits in folded_bits(v, numerics):
                 chosen |= {replace(c, defaults_only=False, folded_numerics=bits) for c in folding}
             for cfg in sorted(chosen, key=lambda c: c.key):
                 keys.append((v, KernelKey(v.name, cfg, t)))
     return keys
 
 
-def folded_bits(fmt, numerics: Iterable[str]) -> set[int]:
-    """The `numerics` bits of each spelling this format accepts, other than its defaults'."""
+def folded_bits(v: Variant, numerics: Iterable[str]) -> set[int]:
+    """The `numerics` bits of each spelling this variant accepts, other than its defaults'."""
     out = set()
     for spec in numerics:
         try:
-            out.add(fmt.numerics_flags(spec))
-        except NumericsError:  # a preset or field this format lacks: nothing to fold for it
+            if v.op is Op.INDEX_Q:
+                out.add(index_q.numerics_bits(spec, v.io_dtype.value))
+            else:
+                out.add(v.format.numerics_flags(spec))
+        except NumericsError:  # a preset or field this variant lacks: nothing to fold for it
             continue
-    return out - {fmt.numerics_flags()}
+    return out - {v.default_numerics}
 
 
 def ninja_escape(path: str) -> str:

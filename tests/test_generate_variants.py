@@ -262,13 +262,13 @@ def test_supported_space_has_exactly_the_expected_axes():
     space = variant_space()
     per_family = collections.Counter((v.arch.value, v.conversions.value) for v in space)
     assert per_family == {
-        ("sm90", "portable"): 76,
-        ("sm100", "native"): 76,
-        ("sm100", "portable"): 44,
-        ("sm120", "native"): 76,
-        ("sm120", "portable"): 44,
+        ("sm90", "portable"): 80,
+        ("sm100", "native"): 80,
+        ("sm100", "portable"): 46,
+        ("sm120", "native"): 80,
+        ("sm120", "portable"): 46,
     }
-    assert len(space) == 316
+    assert len(space) == 332
 
     def shape(v):
         return (v.op, v.q_out, v.head_dim, v.rope_dim, v.cache_format, v.io_dtype, v.q_layout)
@@ -282,13 +282,21 @@ def test_supported_space_has_exactly_the_expected_axes():
         ]
     }
     first = next(iter(primary.values()))
-    assert all(s == first for s in primary.values())  # every arch family offers the same 76 ops
+    assert all(s == first for s in primary.values())  # every arch family offers the same 80 ops
     assert {(o, q) for o, q, *_ in first} == {
         (Op.QKV, QOut.IO),
         (Op.QKV, QOut.FP8),
         (Op.KV, QOut.IO),
         (Op.KV_NORM, QOut.IO),
+        (Op.INDEX_Q, QOut.IO),
     }
+    # the indexer's Q: D = 128, R = 64, its two quantized formats, both I/O dtypes; only MXFP4 has a
+    # portable twin (its FP8 scale comes from the float32 bits on every target)
+    index_q = {s for s in first if s[0] is Op.INDEX_Q}
+    assert index_q == {
+        (Op.INDEX_Q, QOut.IO, 128, 64, f, io, QLayout.HEAD_MAJOR) for f in ("fp8_token", "mxfp4") for io in IoDtype
+    }
+    first = first - index_q
     # per (format, D): the ops; NVFP4 records take no kv_norm, and the V4.1 compressed record no qkv
     full = {(Op.QKV, QOut.IO), (Op.QKV, QOut.FP8), (Op.KV, QOut.IO), (Op.KV_NORM, QOut.IO)}
     ops_of = collections.defaultdict(set)
@@ -315,7 +323,9 @@ def test_supported_space_has_exactly_the_expected_axes():
     assert len(first) == (4 * 8 + 3 + 1) * 2 + 4
     for arch in (ArchFamily.SM100, ArchFamily.SM120):
         portable = {shape(v) for v in space if v.arch is arch and v.conversions is Conversions.PORTABLE}
-        assert portable == {s for s in first if s[4] in ARCH_CONVERSION_FORMATS}
+        assert portable == {s for s in first if s[4] in ARCH_CONVERSION_FORMATS} | {
+            s for s in index_q if s[4] == "mxfp4"
+        }
     assert {v.cache_format for v in space if v.uses_arch_conversions} == ARCH_CONVERSION_FORMATS
     assert {v.cache_format for v in space} == set(FORMATS)
 

@@ -119,7 +119,7 @@ def cmd_build(args) -> int:
         return 1
     variants = [v for v in variant_space() if matches(v.name, args.variants)]
     for spec in args.numerics or ():
-        if not any(build.folded_bits(f, [spec]) for f in {v.format for v in variants}):
+        if not any(build.folded_bits(v, [spec]) for v in variants):
             print(
                 f"build --numerics {spec!r}: no format of these variants takes it (or it is their defaults)"
             )
