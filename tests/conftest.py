@@ -9,7 +9,7 @@ pytest_plugins = ("pytester",)  # tests/test_session_build.py runs small session
 
 GPU_SKIP_REASON = (
     "needs a CUDA GPU: on a machine with one, `tests/gpu/run_suite.sh gpu-suite.json` builds its kernels "
-    "and runs every GPU test (README, Development)"
+    "and runs every GPU test (docs/runtime.md, GPU tests)"
 )
 
 

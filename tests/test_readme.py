@@ -1,7 +1,8 @@
-"""The README's numbers come from the committed result files and the code: its results section is
-what tools/readme_results.py renders from results/ (a number edited by hand, or a result file
-replaced without the README, fails here), and the counts the docs state (variants, cache formats)
-are the code's."""
+"""The README's numbers come from the committed result files and the code: its short results table and
+docs/results.md's tables are what tools/readme_results.py renders from results/ (a number edited by
+hand, or a result file replaced without the pages, fails here), and the counts the docs state
+(variants, cache formats) are the code's. The README stays a front door: short, a CPU quickstart
+first, the test command CI runs, and every tool listed in docs/README.md with what it writes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from attn_prologue.formats import FORMATS
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+RESULTS_PAGE = (REPO / "docs" / "results.md").read_text()
 RESULTS = REPO / "results"
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 WORDS = "zero one two three four five six seven eight nine ten eleven twelve".split()
@@ -29,15 +31,31 @@ def _tool():
     return module
 
 
-def test_the_results_section_is_the_one_rendered_from_the_files():
+def test_the_results_sections_are_the_ones_rendered_from_the_files():
     tool = _tool()
-    assert tool.section(README), "the README has no results section between the markers"
-    assert tool.section(README) == tool.render(), "run `python tools/readme_results.py --write`"
+    assert tool.section(README) and tool.section(RESULTS_PAGE), "a results section has no markers"
+    assert tool.section(README) == tool.render_short(), "run `python tools/readme_results.py --write`"
+    assert tool.section(RESULTS_PAGE) == tool.render(), "run `python tools/readme_results.py --write`"
+
+
+def test_the_readme_table_sums_the_full_tables():
+    """Its counts are the files' (the GPU suite, every speed target's shapes met)."""
+    short, full = _tool().section(README), _tool().section(RESULTS_PAGE)
+    suite = json.loads((RESULTS / "gpu-suite-h200.json").read_text())
+    assert f"| {suite['passed']} passed, {suite['failures'] + suite['errors']} failed (at " in short
+    speed = full[full.index("### Speed") : full.index("### Host cost")]
+    met = [
+        re.search(r"\| (\d+) of (\d+) \|", line)
+        for line in speed.splitlines()
+        if line.startswith("| ") and " of " in line
+    ]
+    assert f"| {sum(int(m[1]) for m in met)} of {sum(int(m[2]) for m in met)} met |" in short
+    assert "(results/gpu-suite-h200.json)" in short and "(../results/gpu-suite-h200.json)" in full
 
 
 def test_the_rendered_figures_are_the_files():
     """The renderer reads what it claims (so the section's equality above means something)."""
-    section = _tool().section(README)
+    section = _tool().section(RESULTS_PAGE)
     suite = json.loads((RESULTS / "gpu-suite-h200.json").read_text())
     assert f"{suite['passed']} passed, {suite['failures'] + suite['errors']} failed" in section
     build_record = json.loads((RESULTS / "build-cpu.json").read_text())
@@ -47,7 +65,7 @@ def test_the_rendered_figures_are_the_files():
     assert f"| bound op (`ap.bind`) | <= 0.60x | {ratios} |" in section
     # the interleaved-Q ratios and how many meet the bound, computed here from the file the row names
     row = next(line for line in section.splitlines() if line.startswith("| interleaved vs head-major Q"))
-    name = re.search(r"\(results/(bench-h200-\w+\.json)\)", row).group(1)
+    name = re.search(r"\(\.\./results/(bench-h200-\w+\.json)\)", row).group(1)
     by_shape = {}
     for r in json.loads((RESULTS / name).read_text())["results"]:
         if (
@@ -105,3 +123,37 @@ def test_the_performance_page_shows_the_committed_sass_census():
     assert page == census.render_docs(RESULTS / "sass-instructions-cpu.json"), (
         "run `python tools/sass_census.py --render-docs`"
     )
+
+
+def _readme_commands(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "tools"))  # (it imports its sibling time_build)
+    spec = importlib.util.spec_from_file_location("readme_commands", REPO / "tools" / "readme_commands.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.readme_commands(REPO / "README.md")
+
+
+def test_the_readme_is_a_front_door(monkeypatch):
+    """About 150 lines; the first code block is the CPU quickstart, runnable after the install it names
+    (tests/test_docs.py runs it with no GPU visible); then the two commands, as CI runs the tests."""
+    lines = README.splitlines()
+    assert len(lines) <= 170, f"the README has {len(lines)} lines: move detail into docs/"
+    first = next(i for i, line in enumerate(lines) if line.startswith("```"))
+    assert lines[first] == "```python" and first < 20, (
+        "the first block is the quickstart, on the first screen"
+    )
+    assert "`pip install torch==2.13.0 && pip install -e .`" in "\n".join(lines[:first])
+    main, tests = _readme_commands(monkeypatch)
+    assert main.startswith("pip install torch==2.13.0 && pip install -e . && ") and "build" in main
+    assert tests in (REPO / ".ci" / "run").read_text(), ".ci/run runs the README's test command verbatim"
+    assert "../shared" not in README and "shared/" not in README
+
+
+def test_every_tool_is_listed_with_what_it_writes():
+    """docs/README.md's Tools table names every script in tools/ (one that writes nothing cited is
+    removed, not left unlisted)."""
+    table = (REPO / "docs" / "README.md").read_text().split("## Tools", 1)[1]
+    listed = set(re.findall(r"^\| `([\w.]+)` \|", table, re.M))
+    helpers = {"noop_ffi_kernel.c"}  # built by host_ratio.py and native_cpu_cost.py, named in their row
+    assert listed | helpers == {p.name for p in (REPO / "tools").iterdir() if p.is_file()}
+    assert all("noop_ffi_kernel.c" in table for _ in helpers)

@@ -1,12 +1,12 @@
-"""The README's results section, rendered from the committed result files (every row names its
-file), so that no number in it is typed by hand.
+"""The results tables, rendered from the committed result files (every row names its file), so
+that no number in them is typed by hand: docs/results.md's full tables and the README's short one.
 
-    python tools/readme_results.py           # print the section
-    python tools/readme_results.py --write   # put it into README.md, between its two markers
+    python tools/readme_results.py           # print docs/results.md's section
+    python tools/readme_results.py --write   # put both between their markers (README.md, docs/results.md)
 
-tests/test_readme.py fails when README.md's section is not what this renders. After a new result
-file (tools/time_build.py, tools/time_tests.py, `bench --json`, tests/gpu/run_suite.sh), run
-`--write`. The history behind each file (earlier runs, commits) is in results/README.md.
+tests/test_readme.py fails when either section is not what this renders. After a new result file
+(tools/time_build.py, tools/time_tests.py, `bench --json`, tests/gpu/run_suite.sh), run `--write`.
+The history behind each file (earlier runs, commits) is in results/README.md.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results"
+PAGE = REPO / "docs" / "results.md"  # the full tables; the README has the short one
 BEGIN = "<!-- results: rendered by tools/readme_results.py from results/; edit those, then run it -->"
 END = "<!-- results: end -->"
 # the newest first: a target measured on as many shapes in two files is read from the newer
@@ -39,8 +40,11 @@ HOST_ROWS = (  # (ratio key, what it is)
 )
 
 
+BASE = "../results/"  # how the page being rendered reaches results/ (docs/results.md; README: results/)
+
+
 def _file(name: str) -> str:
-    return f"[`{name}`](results/{name})"
+    return f"[`{name}`]({BASE}{name})"
 
 
 def _json(name: str) -> dict | None:
@@ -94,19 +98,24 @@ def correctness() -> list[str]:
     return _table(("what", "result", "file"), rows)
 
 
-def speed() -> list[str]:
+def _speed_targets() -> dict[str, tuple[str, list[dict]]]:
+    """target -> (the bench file that measured it on the most shapes, its checked rows)."""
     sys.path.insert(0, str(REPO))
     from attn_prologue.lab.targets import check_targets
 
     by_target: dict[str, tuple[str, list[dict]]] = {}
-    for name in BENCHES:  # each target from the file that measured it on the most shapes
+    for name in BENCHES:
         checked = check_targets(_json(name))
         for target in dict.fromkeys(r["target"] for r in checked):
             mine = [r for r in checked if r["target"] == target]
             if len(mine) > len(by_target.get(target, ("", []))[1]):
                 by_target[target] = (name, mine)
+    return by_target
+
+
+def speed() -> list[str]:
     rows = []
-    for target, (name, mine) in by_target.items():
+    for target, (name, mine) in _speed_targets().items():
         label = target + (" (host-dependent)" if mine[0]["kind"] == "host" else "")
         bound = f"{'>=' if mine[0]['side'] == 'min' else '<='} {_span([mine[0]['bound']], target)}"
         met = sum(r["met"] for r in mine)
@@ -190,35 +199,89 @@ def readme_commands() -> list[str]:
     )
 
 
+def short() -> list[str]:
+    """The README's table: one row per kind of result, the detail in docs/results.md."""
+    suite, cpu, build = _json("gpu-suite-h200.json"), _json("tests-cpu.json"), _json("build-cpu.json")
+    rows = [("the GPU suite on an H200 (bit-exact against the reference, bad inputs, graphs)",
+             f"{suite['passed']} passed, {suite['failures'] + suite['errors']} failed (at "
+             f"{suite['provenance']['git_commit'][:7]})", _file("gpu-suite-h200.json"))]  # fmt: skip
+    if cpu:
+        c = cpu["counts"]
+        rows.append(("the CPU tests (the test command)",
+                     f"{c['passed']} passed, {c['failures'] + c['errors']} failed in {cpu['wall_seconds'] / 60:.1f} min",
+                     _file("tests-cpu.json")))  # fmt: skip
+    checked = [r for _, mine in _speed_targets().values() for r in mine]
+    rows.append(("speed targets on an H200, each shape of each target",
+                 f"{sum(r['met'] for r in checked)} of {len(checked)} met", "[the tables](docs/results.md#speed)"))  # fmt: skip
+    host = [_json(HOST_RATIO.format(i)) for i in (1, 2, 3)]
+    met = sum(h["targets"][key]["met"] for h in host for key, _ in HOST_ROWS)
+    rows.append(("host cost of an eager call, in `x.add_(1)`s (three runs)",
+                 f"{met} of {3 * len(HOST_ROWS)} met", "[the table](docs/results.md#host-cost-per-eager-call)"))  # fmt: skip
+    rows.append(("`build`, every kernel for every default target, no GPU",
+                 f"{build['kernels']} kernels in {build['wall_seconds']:.0f} s ({_machine(build['machine'])})",
+                 _file("build-cpu.json")))  # fmt: skip
+    fresh = _json("readme-commands-cpu.json")
+    if fresh:
+        main, install, pytest_step = (fresh["steps"] + [None, None, None])[:3]
+        tests = (
+            f"{(install['wall_seconds'] + pytest_step['wall_seconds']) / 60:.1f} min"
+            if pytest_step
+            else "not run"
+        )
+        rows.append(("the two commands on a fresh clone",
+                     f"{'passed' if fresh['passed'] else '**failed**'}: {main['wall_seconds'] / 60:.1f} min and "
+                     f"{tests} (at {fresh['provenance']['git_commit'][:7]})", _file("readme-commands-cpu.json")))  # fmt: skip
+    return _table(("what", "result", "file"), rows)
+
+
+def render_short() -> str:
+    """The README's section, markers included."""
+    global BASE
+    BASE, saved = "results/", BASE
+    try:
+        return "\n".join([BEGIN, "", *short(), "", END])
+    finally:
+        BASE = saved
+
+
 def render() -> str:
+    """docs/results.md's section, markers included."""
     parts = [
         BEGIN,
         "",
-        "**Correctness**",
+        "### Correctness",
         "",
         *correctness(),
         "",
-        "**Speed** (each target as `python -m attn_prologue targets <file>` checks it; a copy is a device copy "
-        "of the bytes the op must move, measured in the same run):",
+        "### Speed",
+        "",
+        "Each target as `python -m attn_prologue targets <file>` checks it; a copy is a device copy of the bytes "
+        "the op must move, measured in the same run.",
         "",
         *speed(),
         "",
         "Against vLLM's own kernels: no committed result file compares them yet.",
         "",
-        "**Host cost per eager call**",
+        "### Host cost per eager call",
         "",
         *host_cost(),
         "",
-        "**Build time** (`python tools/time_build.py`; no GPU needed)",
+        "### Build time",
+        "",
+        "`python tools/time_build.py`; no GPU needed.",
         "",
         *build_time(),
         "",
-        "**Test time** (`python tools/time_tests.py`)",
+        "### Test time",
+        "",
+        "`python tools/time_tests.py`.",
         "",
         *test_time(),
         "",
-        "**The two commands on a new machine** (`python tools/readme_commands.py`: a fresh clone, virtual "
-        "environment and kernel cache; the test command's pytest step through `tools/time_tests.py`)",
+        "### The two commands on a new machine",
+        "",
+        "`python tools/readme_commands.py`: a fresh clone, virtual environment and kernel cache; the test "
+        "command's pytest step through `tools/time_tests.py`.",
         "",
         *readme_commands(),
         "",
@@ -237,19 +300,18 @@ def section(text: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--write", action="store_true", help="replace README.md's section (default: print it)"
+        "--write", action="store_true", help="replace both pages' sections (default: print docs/results.md's)"
     )
     args = parser.parse_args()
-    text = render()
     if not args.write:
-        print(text)
+        print(render())
         return 0
-    readme = REPO / "README.md"
-    old = readme.read_text()
-    if not section(old):
-        print(f"README.md has no section between {BEGIN!r} and {END!r}", file=sys.stderr)
-        return 1
-    readme.write_text(old.replace(section(old), text))
+    for page, text in ((REPO / "README.md", render_short()), (PAGE, render())):
+        old = page.read_text()
+        if not section(old):
+            print(f"{page.name} has no section between {BEGIN!r} and {END!r}", file=sys.stderr)
+            return 1
+        page.write_text(old.replace(section(old), text))
     return 0
 
 
