@@ -63,5 +63,9 @@ def make_index_q_plan(v: Variant) -> dict:
 
 
 def describe_index_q(v: Variant) -> str:
-    q = "FP8 (per-row power-of-two scale folded into weights_out)" if v.format.element is ElementCode.E4M3 else "MXFP4"
+    q = (
+        "FP8 (per-row power-of-two scale folded into weights_out)"
+        if v.format.element is ElementCode.E4M3
+        else "MXFP4"
+    )
     return f"indexer Q RoPE + {q} quantize; D={v.head_dim}, R={v.rope_dim}, {v.io_dtype.value} I/O."

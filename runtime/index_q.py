@@ -36,9 +36,9 @@ class IndexQFlag(enum.IntFlag):
     # unset: (w * fl(softmax_scale * head_scale)) * p, the scale product taken in double on the host
     # (vLLM's CuTe-DSL kernel). p = 1 for mxfp4.
     SEPARATE_SCALES = 1
-    # an Inf amax saturates the scale as log2/exp2 do (fp8: p = Inf, codes x * 0; mxfp4: byte 254,
-    # codes x * 2^-127); unset: the exponent bits wrap to 0 (p = 0, codes x * 2^127), as the CuTe-DSL
-    # kernel's bit arithmetic gives
+    # an Inf amax saturates the scale as log2/exp2 do (fp8: p = Inf, codes x / Inf = x * 0; mxfp4: byte 254,
+    # codes x * 2^-127); unset: the CuTe-DSL kernel's bit arithmetic, whose exponent field 255 gives p = Inf
+    # and, for the codes, 2^(127 - e) with 254 - 255 wrapped in 32 bits: -Inf (mxfp4: byte 255)
     INF_SATURATES = 2
     # the rotated values rounded through bf16 whatever the I/O dtype (vLLM's Triton kernel on fp16 rows)
     ROTATED_BF16 = 4
@@ -98,8 +98,10 @@ def _f32(x: float) -> torch.Tensor:
 
 
 def _pow2_from_field(e: torch.Tensor) -> torch.Tensor:
-    """The float32 with exponent field e (0..255) and no mantissa: 0, 2^(e-127) or Inf."""
-    return (e.to(torch.int32) << 23).view(torch.float32)
+    """The float32 whose bits are e << 23 in 32-bit arithmetic: 2^(e-127) for e in 1..254, Inf for 255, and
+    for e = -1 (254 - 255 wrapped, as the kernels' unsigned arithmetic has it) 0xFF800000, -Inf."""
+    bits = (e.to(torch.int64) << 23) & 0xFFFFFFFF
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
 
 
 def rotate(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, bits: int) -> torch.Tensor:
@@ -120,7 +122,7 @@ def rotate(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 
 
 def _exponent_field(amax: torch.Tensor, floor: float, fp_max: float) -> torch.Tensor:
-    """ceil(log2(fl(max(amax, floor) * fl(1/fp_max)))) + 127 from the float32 bits, unmasked: 256 for Inf."""
+    """ceil(log2(fl(max(amax, floor) * fl(1/fp_max)))) + 127 from the float32 bits: 255 for an Inf amax."""
     r = torch.maximum(amax, _f32(floor)) * _f32(1.0 / fp_max)
     return (r.view(torch.int32).to(torch.int64) + 0x7FFFFF) >> 23
 
@@ -151,18 +153,20 @@ def index_q_reference(
     saturate = bool(bits & IndexQFlag.INF_SATURATES)
     if fmt == "fp8_token":
         e = _exponent_field(nx.nan_ignoring_amax(x), FP8_FLOOR, nx.E4M3_MAX)
-        e = e.clamp(max=255) if saturate else e & 0xFF
         p = _pow2_from_field(e)
-        inv = torch.where(e == 255, torch.zeros_like(p), _pow2_from_field((254 - e).clamp(min=0)))
+        inv = _pow2_from_field(254 - e)
+        if saturate:
+            inv = torch.where(e == 255, torch.zeros_like(inv), inv)
         codes = nx.e4m3_bytes(x * inv[..., None])
         w_out = (w * p * s1 * s2) if bits & IndexQFlag.SEPARATE_SCALES else (w * s1) * p
         scales = None
     else:
         blocks = x.reshape(t, h, d // MXFP4_BLOCK, MXFP4_BLOCK)
         e = _exponent_field(nx.nan_ignoring_amax(blocks), MXFP4_FLOOR, nx.E2M1_MAX)
-        e = e.clamp(max=254) if saturate else e & 0xFF
-        # 2^(127 - e): 2^127 for a wrapped Inf (e = 0), the subnormal 2^-127 for e = 254
-        inv = torch.where(e == 254, _f32(2.0**-127), _pow2_from_field((254 - e).clamp(min=0)))
+        inv = _pow2_from_field(254 - e)  # 2^(127 - e); -Inf for an Inf block (e = 255)
+        if saturate:  # ceil(log2) clamped to 127, and 1 / 2^127 the subnormal 2^-127
+            e = e.clamp(max=254)
+            inv = torch.where(e == 254, _f32(2.0**-127), _pow2_from_field(254 - e))
         c = nx.e2m1_codes(blocks * inv[..., None]).reshape(t, h, d)
         codes = c[..., 0::2] | (c[..., 1::2] << 4)
         scales = e.to(torch.uint8)

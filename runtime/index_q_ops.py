@@ -19,8 +19,8 @@ from . import overlap
 from .dispatch import MAX_BUCKET_LOG2, Runtime, default_runtime
 from .errors import InputError, UnsupportedError
 from .index_q import FORMATS, MXFP4_BLOCK, host_scales, index_q_reference, numerics_bits
-from .torch_op import _library, check_traced, refuse_meta
-from .variants import Conversions, IoDtype, Op, Request
+from .torch_op import _library, check_traced, lazy_bits_kernel, refuse_meta
+from .variants import INDEX_Q_HEAD_DIMS, Conversions, IoDtype, Op, Request
 
 SCHEMA = (
     "index_q_rope_quant(Tensor q, Tensor positions, Tensor cos_sin_cache, Tensor weights, float softmax_scale, "
@@ -51,12 +51,23 @@ def _inner(name: str, t: torch.Tensor, align: int) -> None:
     """Rows of contiguous values (only the token stride is free), `align`-byte aligned."""
     want = tuple(math.prod(t.shape[i + 1 :]) for i in range(1, t.dim()))
     if t.numel() and tuple(t.stride()[1:]) != want:
-        _fail(f"{name} must be contiguous within a token (strides {list(want)} after the first), got {list(t.stride())}")
+        _fail(
+            f"{name} must be contiguous within a token (strides {list(want)} after the first), got {list(t.stride())}"
+        )
     if t.numel() and (t.data_ptr() % align or (t.shape[0] > 1 and t.stride(0) * t.element_size() % align)):
         _fail(f"{name} must start and have token rows at {align}-byte boundaries")
 
 
-def check(q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales, fmt) -> Request:
+def check_scales(softmax_scale, head_scale) -> None:
+    """Finite numbers, not bools (the torch op's schema would take True as 1.0)."""
+    for name, value in (("softmax_scale", softmax_scale), ("head_scale", head_scale)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            _fail(f"{name} must be a finite float, got {value!r}")
+
+
+def check(
+    q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales, fmt
+) -> Request:
     """Every rule of a call, in one place: the typed error naming the argument, before anything is written."""
     if fmt not in FORMATS:
         raise UnsupportedError(f"index_q quantizes as {' or '.join(FORMATS)}, not {fmt!r}")
@@ -67,6 +78,8 @@ def check(q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out
         _fail(f"q must be bfloat16 or float16, got {q.dtype}")
     refuse_meta(q=q, positions=positions, cos_sin_cache=cos_sin_cache, weights=weights, q_out=q_out, weights_out=weights_out, q_scales=q_scales)  # fmt: skip
     t, h, d = q.shape
+    if (d, ROPE_DIM) not in INDEX_Q_HEAD_DIMS:
+        raise UnsupportedError(f"index_q rows are generated for (D, R) in {INDEX_Q_HEAD_DIMS}; q has D={d}")
     dev = q.device
     mx = fmt == "mxfp4"
     _rows("q", q, (t, h, d), (q.dtype,), dev)
@@ -90,9 +103,7 @@ def check(q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out
         _inner("q_scales", q_scales, 4)
     elif q_scales is not None:
         _fail("q_scales is for fmt='mxfp4' (the FP8 row scale is folded into weights_out)")
-    for name, value in (("softmax_scale", softmax_scale), ("head_scale", head_scale)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            _fail(f"{name} must be a finite float, got {value!r}")
+    check_scales(softmax_scale, head_scale)
     for name, out in (("q_out", q_out), ("weights_out", weights_out), ("q_scales", q_scales)):
         if out is not None and out.requires_grad and torch.is_grad_enabled():
             _fail(f"{name} requires grad: the op writes it in place (pass a tensor that does not)")
@@ -110,6 +121,7 @@ def index_q_rope_quant(
     """RoPE + FP8 / MXFP4 quantization of the indexer's Q, index weights folded (module docstring).
     numerics: None (vLLM's CuTe-DSL kernel's bits), a preset ("vllm", "vllm-triton") or IndexQFlag bits."""
     if torch.compiler.is_compiling() or not (runtime or getattr(q, "is_cuda", True)):
+        check_scales(softmax_scale, head_scale)
         text = numerics if isinstance(numerics, str) else ("" if numerics is None else str(int(numerics)))
         torch.ops.attn_prologue.index_q_rope_quant(
             q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales, fmt,
@@ -125,19 +137,32 @@ def index_q_rope_quant(
         calls = rt.calls.get(key)
     except (AttributeError, TypeError):
         pass
-    request = check(q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales, fmt)
+    request = check(
+        q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales, fmt
+    )
     bits = numerics_bits(_parse(numerics), request.io_dtype.value)
     if calls is None:
         if conversions is not None:
             request = Request(**{**request.__dict__, "conversions": Conversions(conversions)})
-        launchers = rt.launchers(request, q.device, heads=q.shape[1], written=q.shape[1], config=config, numerics=bits)
+        launchers = rt.launchers(
+            request, q.device, heads=q.shape[1], written=q.shape[1], config=config, numerics=bits
+        )
         lead = ("q_in", "weights", "q_out", *(("q_scales",) if q_scales is not None else ()), "weights_out")
         lead += ("positions", "cos_sin_cache")
         ws, hs = host_scales(softmax_scale, head_scale, bits)
         calls = tuple(
-            (la.fn, la.tail(lead, errors=rt.errors_buffer(q.device), weights_scale=ws, head_scale=hs,
-                            weights_bf16=int(weights_out.dtype == torch.bfloat16), numerics=bits,
-                            checked=int(bool(checked))))  # fmt: skip
+            (
+                la.fn,
+                la.tail(
+                    lead,
+                    errors=rt.errors_buffer(q.device),
+                    weights_scale=ws,
+                    head_scale=hs,
+                    weights_bf16=int(weights_out.dtype == torch.bfloat16),
+                    numerics=bits,
+                    checked=int(bool(checked)),
+                ),
+            )  # fmt: skip
             for la in launchers
         )
         if key is not None:
@@ -149,7 +174,16 @@ def index_q_rope_quant(
     ws, hs = host_scales(softmax_scale, head_scale, bits)
     tail = (tail[0], ws, hs, *tail[3:])  # the scales are per call (the rest per shape)
     scales = () if q_scales is None else (q_scales.view(torch.uint8),)
-    fn(q, weights, q_out.view(torch.uint8), *scales, weights_out.view(torch.uint8), positions, cos_sin_cache, *tail)
+    fn(
+        q,
+        weights,
+        q_out.view(torch.uint8),
+        *scales,
+        weights_out.view(torch.uint8),
+        positions,
+        cos_sin_cache,
+        *tail,
+    )
 
 
 def _parse(numerics):
@@ -165,7 +199,15 @@ def _cpu(q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out,
 
     check(q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales, fmt)
     codes, scales, w, bad = index_q_reference(
-        q, positions, cos_sin_cache, weights, softmax_scale, head_scale, fmt, _parse(numerics), weights_out.dtype
+        q,
+        positions,
+        cos_sin_cache,
+        weights,
+        softmax_scale,
+        head_scale,
+        fmt,
+        _parse(numerics),
+        weights_out.dtype,
     )
     q_out.view(torch.uint8).copy_(codes)
     weights_out.copy_(w)
@@ -181,7 +223,9 @@ def _cuda(q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out
                        q_scales, fmt, _parse(numerics), checked=checked, runtime=default_runtime())  # fmt: skip
 
 
-def _fake(q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales=None, *_):
+def _fake(
+    q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales=None, *_
+):
     check_traced(
         overlap.check_disjoint,
         written={"q_out": q_out, "weights_out": weights_out, "q_scales": q_scales},
@@ -193,4 +237,8 @@ _library.define(SCHEMA)
 _library.impl("index_q_rope_quant", _cpu, "CPU")
 _library.impl("index_q_rope_quant", _cuda, "CUDA")
 _library.impl("index_q_rope_quant", torch.library.fallthrough_kernel, "Autograd")
+for _key in ("Negative", "Conjugate"):
+    _library.impl(
+        "index_q_rope_quant", lazy_bits_kernel(torch.ops.attn_prologue.index_q_rope_quant.default), _key
+    )
 torch.library.register_fake("attn_prologue::index_q_rope_quant", _fake, lib=_library)

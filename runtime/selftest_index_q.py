@@ -47,7 +47,9 @@ def run(launcher: Launcher, errors: torch.Tensor, arena, edge_rows) -> tuple[boo
                   weights_bf16=0, numerics=0, checked=1)  # fmt: skip
     launcher(**{k: values[k] for k in launcher.arguments if k in values})
     want_codes, want_scales, want_w, _ = index_q_reference(q.to(dt), pos, cs, w, 0.125, 0.5, v.cache_format)
-    bad = int((codes.cpu() != want_codes).sum()) + int((w_out.cpu().view(torch.int32) != want_w.view(torch.int32)).sum())
+    bad = int((codes.cpu() != want_codes).sum()) + int(
+        (w_out.cpu().view(torch.int32) != want_w.view(torch.int32)).sum()
+    )
     if mx:
         bad += int((scales.cpu() != want_scales).sum())
     if bad:

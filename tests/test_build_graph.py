@@ -114,12 +114,12 @@ def test_full_build_graph_is_complete(tmp_path):
     assert pairs == {
         (n, t) for n in manifest for t in parse_name(n).arch.targets if t in DEFAULT_BUILD_TARGETS
     }
-    # 76 sm90 modules x 1 target + 120 sm100 x 1 default target + 120 sm120 x 1 (sm_120f)
-    assert len(pairs) == 76 + 120 + 120 == 316
+    # 80 sm90 modules x 1 target + 126 sm100 x 1 default target + 126 sm120 x 1 (sm_120f)
+    assert len(pairs) == 80 + 126 + 126 == 332
     assert (
         len(keys)
         == len({(k.variant, k.target, k.config.key) for _, k in keys})
-        == 316
+        == 332
         + sum(len(cs - {parse_name(v).arch.default_config}) for (v, _), cs in build.tuned_configs().items())
     )
     graph = root / "build" / "one" / "build.ninja"

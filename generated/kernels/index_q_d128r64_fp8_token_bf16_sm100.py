@@ -177,9 +177,10 @@ class Kernel(KernelBase):
             amax = kl.fmax(amax, kl.abs_max(ys[s]))
         amax = kl.butterfly_max(amax, LANES_PER_ROW)
         e = self.exponent_field(amax, 1e-4, 448.0)
-        e = cutlass.select_(saturate, cutlass.min(e, Uint32(255)), e & Uint32(0xFF))
-        p2 = kl.f32_from_bits(e << Uint32(23))  # the row's scale: 0 (a wrapped Inf), 2^(e - 127) or Inf
-        inv = cutlass.select_(e == Uint32(255), Float32(0.0), kl.f32_from_bits((Uint32(254) - cutlass.min(e, Uint32(254))) << Uint32(23)))
+        p2 = kl.f32_from_bits(e << Uint32(23))  # the row's scale: 2^(e - 127), Inf for an Inf row (e = 255)
+        # 2^(127 - e), 254 - e wrapped in 32 bits: -Inf for an Inf row; saturated, x / Inf = x * 0
+        inv = kl.f32_from_bits((Uint32(254) - e) << Uint32(23))
+        inv = cutlass.select_(saturate & (e == Uint32(255)), Float32(0.0), inv)
         for s in range_constexpr(SLOTS):
             y = cute.make_rmem_tensor(VEC, Float32)
             y.store(ys[s].load() * inv)
@@ -195,7 +196,7 @@ class Kernel(KernelBase):
     @cute.jit
     def exponent_field(self, amax: Float32, floor: cutlass.Constexpr, element_max: cutlass.Constexpr) -> Uint32:
         """ceil(log2(fl(max(amax, floor) * fl(1 / element_max)))) + 127 from the float32 bits (a nonzero mantissa
-        carries into the exponent), unmasked: 256 for an Inf amax. max.f32 ignores a NaN amax (all-NaN rows)."""
+        carries into the exponent): 255 for an Inf amax. max.f32 ignores a NaN amax (all-NaN rows)."""
         r = kl.mul_rn(kl.fmax(amax, Float32(floor)), Float32(1.0 / element_max))
         return (kl.f32_bits(r) + Uint32(0x7FFFFF)) >> Uint32(23)
 

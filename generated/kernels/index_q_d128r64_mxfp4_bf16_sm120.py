@@ -196,9 +196,11 @@ class Kernel(KernelBase):
         for s in range_constexpr(SLOTS):
             amax = kl.butterfly_max(kl.abs_max(ys[s]), BLOCK_LANES)
             e = self.exponent_field(amax, float.fromhex('0x1.8000000000000p-124'), 6.0)
-            e = cutlass.select_(saturate, cutlass.min(e, Uint32(254)), e & Uint32(0xFF))
-            # 2^(127 - e): 2^127 for a wrapped Inf (e = 0), the subnormal 2^-127 for e = 254
-            inv = cutlass.select_(e == Uint32(254), kl.f32_from_bits(Uint32(0x00400000)), kl.f32_from_bits((Uint32(254) - e) << Uint32(23)))
+            e = cutlass.select_(saturate, cutlass.min(e, Uint32(254)), e)  # (saturated: ceil(log2) clamped to 127)
+            # 2^(127 - e), 254 - e wrapped in 32 bits: -Inf for an Inf block (e = 255); saturated, 1 / 2^127 is the
+            # subnormal 2^-127
+            inv = kl.f32_from_bits((Uint32(254) - e) << Uint32(23))
+            inv = cutlass.select_(saturate & (e == Uint32(254)), kl.f32_from_bits(Uint32(0x00400000)), inv)
             y = cute.make_rmem_tensor(VEC, Float32)
             y.store(ys[s].load() * inv)
             word = cutlass.select_(ok, e2m1_pack8(y, False, False), Uint32(0))
@@ -214,7 +216,7 @@ class Kernel(KernelBase):
     @cute.jit
     def exponent_field(self, amax: Float32, floor: cutlass.Constexpr, element_max: cutlass.Constexpr) -> Uint32:
         """ceil(log2(fl(max(amax, floor) * fl(1 / element_max)))) + 127 from the float32 bits (a nonzero mantissa
-        carries into the exponent), unmasked: 256 for an Inf amax. max.f32 ignores a NaN amax (all-NaN rows)."""
+        carries into the exponent): 255 for an Inf amax. max.f32 ignores a NaN amax (all-NaN rows)."""
         r = kl.mul_rn(kl.fmax(amax, Float32(floor)), Float32(1.0 / element_max))
         return (kl.f32_bits(r) + Uint32(0x7FFFFF)) >> Uint32(23)
 

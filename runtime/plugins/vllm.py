@@ -10,6 +10,8 @@ looked up through `self`):
   micro-batch when dual-batch overlap is on, and locked at the first real call.
 - V4.1 `DeepseekCompressor.insert_cache` (compressed cache, 584 / 528 / 288 B and bf16 rows) and
   V4.1 `DeepseekV4Indexer._produce_k` (indexer keys, 132 / 68 B).
+- `fused_indexer_q_rope_quant` as the V4 and V4.1 attention modules bound it (the indexer's Q: FP8 or
+  MXFP4, weights folded): our index_q kernels, vLLM's outputs (compat.vllm_indexer).
 
 Every branch vLLM's method has is kept: where we have no kernel or no scratch (the profile run
 itself, full-cache bf16 / per-tensor FP8 SWA rows, context parallelism, SM100's UE8M0 indexer
@@ -29,6 +31,7 @@ import torch
 
 from .. import ops
 from ..compat import vllm as compat_vllm
+from ..compat import vllm_indexer
 from ..errors import InputError, ScratchError, UnsupportedError
 from ..parity import NumericsError
 from ..scratch import ScratchPool
@@ -76,6 +79,8 @@ def install() -> Installed | None:
              functools.partial(_swa_insert, v41=True)),
         Seam(V41_COMPRESSOR, "DeepseekCompressor.insert_cache", WRITER_PARAMETERS, _compressed_insert),
         Seam(V41, "DeepseekV4Indexer._produce_k", WRITER_PARAMETERS, _indexer_keys),
+        Seam(V4, "fused_indexer_q_rope_quant", vllm_indexer.PARAMETERS, _indexer_q),
+        Seam(V41, "fused_indexer_q_rope_quant", vllm_indexer.PARAMETERS, _indexer_q),
         # the KV-only insert of V4.1's replay path, its context parallelism and the DSpark drafter: our
         # kernels behind vLLM's own op, where vLLM's CUDA extension is loaded
         OpSeam("_C", compat_vllm.KV_NAME, KV_OP_PARAMETERS, _kv_only_op),
@@ -97,6 +102,26 @@ def _kv_only_op(schema) -> Callable[[], None]:
     """Ours behind vLLM's _C KV-only op (its CPU and CUDA kernels; vLLM's schema kept, vLLM's bytes by
     default: compat.vllm's numerics); returns what puts vLLM's kernels back."""
     return compat_vllm.register("_C", override=True, kv_only=True).close
+
+
+def _indexer_q(original: Callable) -> Callable:
+    """vLLM's indexer-Q function with our kernels behind it (vLLM's outputs and bytes); vLLM's own runs
+    for tensors off the GPU and for a call ours refuse (e.g. a bf16 cos/sin table), logged once."""
+
+    @functools.wraps(original)
+    def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_weights,
+                                   index_weights_softmax_scale, index_weights_head_scale, use_fp4=False,
+                                   weights_out_dtype=torch.float32):  # fmt: skip
+        args = (positions, index_q, index_q_cos_sin_cache, index_weights, index_weights_softmax_scale,
+                index_weights_head_scale, use_fp4, weights_out_dtype)  # fmt: skip
+        if index_q.is_cuda:
+            try:
+                return vllm_indexer.fused_indexer_q_rope_quant(*args)
+            except REFUSALS as exc:
+                _tell_once("indexer_q", "the indexer's Q runs vLLM's kernel: ours refused the call (%s)", exc)
+        return original(*args)
+
+    return fused_indexer_q_rope_quant
 
 
 def _tell_once(key: str, message: str, *args) -> None:
