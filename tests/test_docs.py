@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import importlib.metadata
 import inspect
 import os
 import re
@@ -227,6 +228,10 @@ def check(env: dict, cmd: list[str], block: Block, tmp_path: Path) -> None:
                 assert extras[1] is None or extras[1] in optional, where
             else:
                 assert arg == "-e" or re.fullmatch(r"torch==[\d.]+", arg), f"{where}: pip install {arg}"
+    elif cmd[:2] == ["pip", "uninstall"]:  # a part the DSL brings that a page says may go: one it requires
+        names = [arg for arg in cmd[2:] if not arg.startswith("-")]
+        dsl = [re.match(r"[\w.-]+", r)[0] for r in importlib.metadata.requires("nvidia-cutlass-dsl") or ()]
+        assert names and set(names) <= set(dsl), f"{where}: {names} (the DSL requires {dsl})"
     elif cmd[0].startswith("tests/gpu/"):
         script = REPO / cmd[0]
         assert os.access(script, os.X_OK), where
