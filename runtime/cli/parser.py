@@ -19,7 +19,8 @@ SHAPE_SETS = (
     "all",
     "quick",
     "baseline",
-)  # lab/shape_sets.default_shapes
+    "index_q",
+)  # lab/shape_sets.default_shapes (index_q: lab/bench_index_q.py)
 NOT_WRITTEN = "(default: not written)"
 DEFAULT_CACHE = "(default: $ATTN_PROLOGUE_CACHE, else ~/.cache/attn_prologue/kernels)"
 CACHE_DIR = f"the kernel cache {DEFAULT_CACHE}"

@@ -48,6 +48,10 @@ def _with_changes(shapes: list, changes: list[tuple[str, object]]) -> tuple[list
 
 
 def run_bench(args) -> int:
+    if args.shapes == "index_q":  # the indexer's Q prologue: its own inputs and bytes
+        from . import bench_index_q
+
+        return bench_index_q.run(args)
     origin = provenance()
     shapes = shape_sets.default_shapes(args.shapes)
     if args.max_tokens:
