@@ -148,7 +148,7 @@ def test_two_libraries_loaded_in_turn_are_two_libraries(tmp_path, monkeypatch, p
                        check=True)  # fmt: skip
         libs.append((tmp_path / f"lib{n}.so").read_bytes())
     cache = KernelCache(tmp_path / "cache")
-    where = (lambda: cache.make_private_dirs(".load")) if private else None
+    where = (lambda: cache.tree.opened(".load", create=True)) if private else None
     before = _open_memfds()
     got = [loading.load(data, ctypes.CDLL, where).which() for data in libs]
     assert got == [1, 2]

@@ -16,6 +16,7 @@ from attn_prologue import native
 from attn_prologue.codegen import build
 from attn_prologue.jit import kernel_cache
 from attn_prologue.jit.kernel_cache import KernelCache, NotACacheError, UntrustedCacheError
+from attn_prologue.jit.trusted_fs import MARKER
 
 from .support import cache_entry
 from .support.cache_entry import IS_ROOT, KEY
@@ -111,7 +112,7 @@ def test_clean_removes_what_the_cache_made_and_keeps_the_root(built, tmp_path):
     (cache.root / "selftest.json").write_text("{}")
     removed = cache.clean()
     assert ".load" in removed and "native" in removed and "selftest.json" in removed
-    assert cache.root.is_dir() and list(cache.root.iterdir()) == []
+    assert cache.root.is_dir() and [p.name for p in cache.root.iterdir()] == [MARKER]  # (its marker stays)
 
 
 def _tree(root: Path) -> list[str]:
@@ -124,7 +125,9 @@ def test_clean_refuses_a_directory_holding_anything_else(built, tmp_path, monkey
     (project / "README.md").write_text("mine")
     (project / "src").mkdir()
     before = _tree(project)
-    with pytest.raises(NotACacheError, match="README.md, src, which the kernel cache does not make"):
+    with pytest.raises(
+        NotACacheError, match="project/README.md, .*project/src, which the kernel cache does not make"
+    ):
         KernelCache(project).clean()
     monkeypatch.chdir(project)
     proc = subprocess.run([sys.executable, "-m", "attn_prologue", "cache", "--cache-dir", ".", "--clean"],
@@ -157,3 +160,48 @@ def test_clean_refuses_another_users_root(built, tmp_path):
         cache.clean()
     os.chown(cache.root, 0, 0)  # back to this user: everything is still there
     assert cache.read_meta(KEY) is not None
+
+
+# ---- clean needs the cache's own marker and layouts (issue 51, item 4) -------------------------------------
+def _private_dir_with(root: Path, files: dict[str, bytes]) -> list[str]:
+    root.mkdir(mode=0o700)
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return _tree(root)
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"build/myproject/important.o": b"mine", "native/keep": b"mine"},
+        {"0123456789abcdef-my-photos/a.jpg": b"mine"},
+    ],
+    ids=["build and native of a project", "a folder named like a DSL build"],
+)
+def test_clean_refuses_a_directory_the_cache_did_not_make(tmp_path, files):
+    """Names alone prove nothing: without the marker the cache writes into the roots it makes, nothing
+    is removed (and nothing below the root is looked at)."""
+    before = _private_dir_with(tmp_path / "dir", files)
+    with pytest.raises(NotACacheError, match=f"has no {MARKER}"):
+        KernelCache(tmp_path / "dir").clean()
+    assert _tree(tmp_path / "dir") == before
+    (tmp_path / "dir" / MARKER).write_text("")  # even marked, what is in it is no layout the cache makes
+    with pytest.raises(NotACacheError, match="which the kernel cache does not make.*nothing was removed"):
+        KernelCache(tmp_path / "dir").clean()
+    assert _tree(tmp_path / "dir") == sorted([*before, MARKER])
+
+
+def test_a_root_the_cache_makes_is_marked_and_an_existing_one_is_not(tmp_path):
+    KernelCache(tmp_path / "new" / "cache").make_private_dirs("build")
+    assert (tmp_path / "new" / "cache" / MARKER).is_file() and not (tmp_path / "new" / MARKER).exists()
+    assert mode(tmp_path / "new" / "cache" / MARKER) == 0o600
+    (tmp_path / "mine").mkdir()
+    KernelCache(tmp_path / "mine").make_private_dirs("build")
+    assert not (tmp_path / "mine" / MARKER).exists()
+
+
+def test_clean_of_the_file_systems_root_is_refused_at_once():
+    proc = subprocess.run([sys.executable, "-m", "attn_prologue", "cache", "--cache-dir", "/", "--clean"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "not a kernel cache" in proc.stderr and "Traceback" not in proc.stderr

@@ -146,3 +146,64 @@ def test_native_parts_planted_beside_a_shared_cache_by_another_user_never_run(tm
         assert not marker.exists(), "the other user's library was loaded"
         assert run.stdout.split() == ["False", "Python"]
         assert "anyone could have made the shared cache in it" in run.stderr
+
+
+# ---- below a shared root: the root's owner or root only (issue 51, item 2) ----------------------------------
+def _planted_entry(tmp_path: Path, into: Path) -> Path:
+    """An intact-looking fast-path entry in into/native whose library writes $AP_MARKER when loaded."""
+    key, facts = native.entry_key("fastpath")
+    name = native.PARTS["fastpath"][0]
+    entry = into / "native" / "fastpath" / key
+    entry.mkdir(parents=True)
+    (tmp_path / "planted.c").write_text(PLANTED)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(entry / name), str(tmp_path / "planted.c")], check=True)
+    so = (entry / name).read_bytes()
+    (entry / "meta.json").write_text(
+        json.dumps({**facts, "file": name, "sha256": hashlib.sha256(so).hexdigest()})
+    )
+    for p in [into, *into.rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    return entry
+
+
+@pytest.mark.skipif(
+    not IS_ROOT, reason=f"a subtree owned by another user (uid {OTHER_UID}) needs chown (root)"
+)
+def test_a_third_users_native_subtree_in_a_root_owned_shared_tree_never_runs(tmp_path):
+    """A root-owned team cache whose native/ subtree belongs to uid 65534: shared trust trusts the
+    tree's owner (root), not anyone who owns a part of it, so importing the package loads nothing."""
+    team = tmp_path / "team" / "cache"
+    team.parent.mkdir()
+    _planted_entry(tmp_path, team)
+    for p in [team / "native", *(team / "native").rglob("*")]:
+        os.chown(p, OTHER_UID, OTHER_UID)
+    marker = tmp_path / "marker"
+    env = {**os.environ, "ATTN_PROLOGUE_CACHE": str(team), "ATTN_PROLOGUE_CACHE_TRUST": "shared",
+           "AP_MARKER": str(marker)}  # fmt: skip
+    run = subprocess.run([sys.executable, "-W", "always", "-c", VICTIM], env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not marker.exists(), "the third user's library was loaded"
+    assert run.stdout.split() == ["False", "Python"]
+    assert f"owned by uid {OTHER_UID}, neither root nor the shared cache's owner (uid 0)" in run.stderr
+
+
+@pytest.mark.skipif(
+    not IS_ROOT, reason=f"a directory owned by another user (uid {OTHER_UID}) needs chown (root)"
+)
+@pytest.mark.parametrize("where", ["variant dir", "kernel.so"])
+def test_a_kernel_tree_with_a_part_owned_by_a_third_user_is_refused(built, tmp_path, where):
+    """As a shared cache and as an installed kernels wheel (read as one): skipped with one warning."""
+    tree = cache_in(built, tmp_path / "wheel", 0o755, trust="shared", prebuilt=[])
+    for p in [tree.root, *tree.root.rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    target = tree.entry_dir(KEY).parent if where == "variant dir" else tree.entry_dir(KEY) / "kernel.so"
+    os.chown(target, OTHER_UID, OTHER_UID)
+    with pytest.raises(UntrustedCacheError, match=f"owned by uid {OTHER_UID}, neither root nor the shared"):
+        tree.read_meta(KEY)
+    mine = KernelCache(tmp_path / "mine", prebuilt=[tree])
+    with pytest.warns(UserWarning, match=f"prebuilt kernels in {tree.root} not used: .*uid {OTHER_UID}"):
+        assert not mine._read_prebuilt(KEY)[0]
+    os.chown(target, 0, 0)  # root's: trusted like the owner's
+    assert tree.read_meta(KEY) is not None

@@ -207,6 +207,10 @@ def cmd_cache(args) -> int:
     print(f"kernel cache: {root}{'' if root.exists() else ' (does not exist yet)'}")
     if not root.exists():
         return 0
+    if args.clean:  # checked (the cache's marker, its layouts) before anything below the root is walked
+        removed = cache.clean()
+        print(f"cleaned {root} ({', '.join(removed) or 'nothing to remove'})")
+        return 0
     entries: collections.Counter = collections.Counter()
     size = 0  # (lock files are counted in the size only: one per entry, they say nothing)
     for path in root.rglob("*"):
@@ -219,9 +223,6 @@ def cmd_cache(args) -> int:
         print(f"  {target:8} {count:5d} kernels")
     print(f"  {sum(entries.values())} kernels, {size / 2**20:.1f} MiB")
     _print_native(root)
-    if args.clean:
-        removed = cache.clean()  # only what the cache made; refuses a link, another owner, foreign files
-        print(f"cleaned {root} ({', '.join(removed) or 'nothing to remove'})")
     return 0
 
 

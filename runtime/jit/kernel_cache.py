@@ -26,9 +26,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import re
 import shutil
-import stat
 import threading
 import uuid
 import warnings
@@ -41,23 +39,18 @@ from filelock import FileLock, Timeout
 from .. import env
 from ..errors import AttnPrologueError
 from ..launch import LaunchConfig
-from . import compiler, loading
+from . import cleaning, compiler, loading
+from .cleaning import NotACacheError  # noqa: F401 (raised by clean)
 from .trusted_fs import (
     ENV_CACHE_DIR,
     ENV_TRUST,
     TRUST_MODES,
     Tree,
     UntrustedCacheError,
-    listable,
     write_private,
 )
 
 ENV_LOCK_TIMEOUT = "ATTN_PROLOGUE_LOCK_TIMEOUT"
-# what the cache makes at its top level (`clean` refuses a root holding anything else): per DSL build and
-# host the kernels, the native parts, `build`'s graphs, the loader's fallback copies, the self-test records
-MADE_AT_ROOT = re.compile(
-    r"[0-9a-f]{16}-[a-z0-9]+-\w+|native|build|\.load|selftest\.json|\.selftest-\w+\.tmp"
-)
 
 
 def default_cache_dir() -> Path:
@@ -81,10 +74,6 @@ class CacheLockTimeout(AttnPrologueError, TimeoutError):
 
 class KernelLoadError(AttnPrologueError, RuntimeError):
     """An intact, trusted entry could not be loaded (e.g. a .so built for another machine)."""
-
-
-class NotACacheError(AttnPrologueError, ValueError):
-    """A directory to clean holds things the kernel cache does not make: it is not (only) a cache."""
 
 
 @dataclass(frozen=True)
@@ -268,31 +257,10 @@ class KernelCache:
         return _Held(lock, owner)
 
     def clean(self) -> list[str]:
-        """Remove what this cache made at its root (MADE_AT_ROOT); the names removed. Refuses a root
-        that is a link, not owned by this user or writable by others (UntrustedCacheError) and one that
-        holds anything else (NotACacheError), so naming the wrong directory removes nothing."""
-        if self.trust != "own":
-            raise UntrustedCacheError(f"{self.root} is a shared cache: only its owner cleans it")
-        with self.tree.opened() as fd:
-            if fd is None:
-                return []
-            listed = listable(fd)
-            try:
-                names = sorted(os.listdir(listed))
-            finally:
-                os.close(listed)
-            foreign = [n for n in names if not MADE_AT_ROOT.fullmatch(n)]
-            if foreign:
-                raise NotACacheError(
-                    f"{self.root} holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which the "
-                    "kernel cache does not make: refusing to clean it (name the cache directory itself)"
-                )
-            for name in names:
-                if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                    shutil.rmtree(name, dir_fd=fd)  # (descriptor-based: never follows a link)
-                else:
-                    os.unlink(name, dir_fd=fd)
-            return names
+        """Remove what this cache made (cleaning.py: a root with the cache's marker, only layouts the
+        cache writes, checked before anything is removed); the names removed. UntrustedCacheError for a
+        root that is a link, not this user's or writable by others; NotACacheError for anything else."""
+        return cleaning.clean(self.tree)
 
     # ---- loading ---------------------------------------------------------------------------------
     def load(self, key: KernelKey, *, compile_if_missing: bool = True) -> Callable:
@@ -366,7 +334,7 @@ class KernelCache:
         """Load exactly the bytes that were hashed. A LoadEnvironmentError (this machine would not map
         them) passes through: the entry is not at fault, so it is not rebuilt."""
         compiler.preload_runtime()
-        private = (lambda: self.make_private_dirs(".load")) if self.trust == "own" else None
+        private = (lambda: self.tree.opened(".load", create=True)) if self.trust == "own" else None
         try:
             module = loading.load(so, _load_tvm_module, private)
         except loading.LoadEnvironmentError:

@@ -4,17 +4,20 @@ Every directory from `/` down to a file is opened relative to its parent's descr
 following a link (O_NOFOLLOW) and checked through its own descriptor (fstat); a file is read through
 the descriptor that was checked. So renaming a directory on the way (to a link, or to another
 directory) after it was opened changes nothing that is read, and before, the link is refused and the
-directory checked like any other. The root's ancestors are resolved once (realpath: /home may be a
-link, if root's or this user's and in a directory others cannot write) and then walked the same way.
+directory checked like any other. The path to the root is resolved once, link by link (/home may be
+a link): every link met, links inside a link's target included, must be root's or this user's and sit
+in a directory that passes the ancestor rule, or whoever could change it would choose the cache. The
+resolved path is then walked the same way, so a link changed later is refused, never followed.
 
 What is checked (UntrustedCacheError otherwise, naming the path and the fix):
 - the root's ancestors, as OpenSSH's StrictModes checks a home directory: owned by root or by this
   user (in shared mode also by the root's owner), not writable by group or others unless sticky
   (/tmp). In shared mode the root's parent must not be writable by others even if sticky: there,
   whoever created the name first would own the cache, and shared mode trusts that owner;
-- the root and everything in it: not a link, not writable by group or others, and in own mode owned
-  by this user.
-Directories this module creates (with their missing ancestors) are 0700 whatever the umask.
+- the root and everything in it: not a link, not writable by group or others, owned by this user
+  (own mode) or by the root's owner or root (shared mode: a third user's subtree is not trusted).
+Directories this module creates (with their missing ancestors) are 0700 whatever the umask; a root it
+creates gets a MARKER file, which `clean` requires (so it never empties a directory it did not make).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +40,9 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _WALK = os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC | getattr(os, "O_PATH", os.O_RDONLY)
 _LIST = os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC | os.O_RDONLY
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC  # a FIFO opens at once, then is refused
+MAX_LINKS = 40  # links followed while resolving one path (the kernel's own limit, ELOOP)
+MAX_FILE_BYTES = 1 << 30  # no kernel, native part or record comes near; a larger file is not the cache's
+MARKER = ".attn-prologue-cache"  # written into a root the cache creates; `clean` cleans only such roots
 
 
 class UntrustedCacheError(AttnPrologueError, PermissionError):
@@ -68,19 +75,22 @@ class Tree:
 
     def __init__(self, root: Path, trust: str):
         self.root, self.trust = Path(root), trust
+        self._opened = threading.local()  # owner: the uid of the root this thread's walk opened
 
-    def inside_problem(self, st: os.stat_result) -> str | None:
-        """Why a path at or below the root cannot be trusted (None: it can)."""
+    def inside_problem(self, st: os.stat_result, owner: int | None = None) -> str | None:
+        """Why a path at or below the root (owned by uid `owner`) cannot be trusted (None: it can)."""
         if stat.S_ISLNK(st.st_mode):
             return "is a symbolic link"
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             return _writable_by_others(st)
         if self.trust == OWN and st.st_uid != os.geteuid():
             return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+        if self.trust == SHARED and owner is not None and st.st_uid not in (0, owner):
+            return f"is owned by uid {st.st_uid}, neither root nor the shared cache's owner (uid {owner})"
         return None
 
     def check(self, path: Path, st: os.stat_result) -> None:
-        problem = self.inside_problem(st)
+        problem = self.inside_problem(st, getattr(self._opened, "owner", None))
         if problem:
             raise refusal(path, problem, self.trust)
 
@@ -118,25 +128,47 @@ class Tree:
             for fd in reversed(fds):
                 os.close(fd)
 
-    def _check_links_on_the_way(self) -> None:
-        """The walk resolves links above the root first (realpath): each must be this user's or root's,
-        in a directory that passes the ancestor rule, or whoever made it would choose the cache."""
-        here = Path("/")
-        for name in self.root.parent.parts[1:]:
+    def _resolved_parent(self) -> Path:
+        """The root's parent with every link met resolved, links inside a link's target included (as
+        the kernel would resolve it). Each link must be this user's or root's, in a directory that
+        passes the ancestor rule, or whoever could change it would choose the cache. A missing part
+        ends the resolution (the walk then finds it missing, or makes it)."""
+        here, todo, links = Path("/"), list(reversed(self.root.parent.parts[1:])), 0
+        while todo:
+            name = todo.pop()
+            if name in ("", "."):
+                continue
+            if name == "..":
+                here = here.parent
+                continue
             try:
                 st = os.lstat(here / name)
-            except FileNotFoundError:
-                return
-            if stat.S_ISLNK(st.st_mode):
-                if st.st_uid not in (0, os.geteuid()):
-                    problem = f"is a symbolic link owned by uid {st.st_uid} (neither root nor this user)"
-                    raise refusal(here / name, problem, self.trust, cache=self.root)
-                self._check_ancestor(here, os.stat(here), None, False)
-            here = here / name
+            except (FileNotFoundError, NotADirectoryError):
+                return here.joinpath(name, *reversed(todo))
+            if not stat.S_ISLNK(st.st_mode):
+                here = here / name
+                continue
+            links += 1
+            if links > MAX_LINKS:
+                raise refusal(
+                    here / name, f"leads through more than {MAX_LINKS} links", self.trust, self.root
+                )
+            if st.st_uid not in (0, os.geteuid()):
+                problem = f"is a symbolic link owned by uid {st.st_uid} (neither root nor this user)"
+                raise refusal(here / name, problem, self.trust, cache=self.root)
+            self._check_ancestor(here, os.stat(here), None, False)
+            target = os.readlink(here / name)
+            if os.path.isabs(target):
+                here = Path("/")
+            todo.extend(reversed(Path(target).parts[1:] if os.path.isabs(target) else Path(target).parts))
+        return here
 
     def _open_root(self, create: bool, fds: list[int]) -> int | None:
-        self._check_links_on_the_way()
-        parent = Path(os.path.realpath(self.root.parent))
+        if not self.root.name:
+            raise UntrustedCacheError(
+                "the file system's root / cannot be a kernel cache: name a directory of its own"
+            )
+        parent = self._resolved_parent()
         fd = os.open("/", _WALK)
         fds.append(fd)
         ancestors = [(Path("/"), os.fstat(fd))]
@@ -149,18 +181,27 @@ class Tree:
             ancestors.append((Path(*parent.parts[:depth]), os.fstat(fd)))
         if create:
             self._check_ancestor(*ancestors[-1], None, True)
-        fd = self._open_dir(fd, self.root.name, self.root, create, fds)
+        made: list[int] = []
+        fd = self._open_dir(fd, self.root.name, self.root, create, fds, made)
         if fd is None:
             return None
         st = os.fstat(fd)
         for i, (path, ancestor) in enumerate(ancestors):
             self._check_ancestor(path, ancestor, st.st_uid, i == len(ancestors) - 1)
+        self._opened.owner = st.st_uid
         self.check(self.root, st)
+        if made:  # a root this call made: mark it as the cache's own (what `clean` requires)
+            write_at(
+                fd, MARKER, b"made by attn_prologue's kernel cache (attn-prologue cache --clean empties it)\n"
+            )
         return fd
 
-    def _open_dir(self, parent_fd: int, name: str, where: Path, create: bool, fds: list[int]) -> int | None:
+    def _open_dir(
+        self, parent_fd: int, name: str, where: Path, create: bool, fds: list[int], made: list | None = None
+    ) -> int | None:
         """Open directory `name` in parent_fd without following a link (a link is refused; anything
-        else that is not a directory is a miss); make it 0700 if missing and create=True."""
+        else that is not a directory is a miss); make it 0700 if missing and create=True (and then
+        append its descriptor to `made`)."""
         try:
             fd = os.open(name, _WALK, dir_fd=parent_fd)
         except FileNotFoundError:
@@ -170,10 +211,15 @@ class Tree:
                 os.mkdir(name, 0o700, dir_fd=parent_fd)
             except FileExistsError:  # made meanwhile (another builder): checked like any other
                 pass
+            else:
+                fd = os.open(name, _LIST, dir_fd=parent_fd)
+                fds.append(fd)
+                os.fchmod(fd, 0o700)  # (mkdir's mode went through the umask)
+                if made is not None:
+                    made.append(fd)
+                return fd
             fd = os.open(name, _LIST, dir_fd=parent_fd)
             fds.append(fd)
-            if os.fstat(fd).st_uid == os.geteuid():
-                os.fchmod(fd, 0o700)  # (mkdir's mode went through the umask)
             return fd
         except OSError as exc:
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
@@ -194,9 +240,10 @@ class Tree:
         fds.append(fd)
         return fd
 
-    def read(self, dir_fd: int, name: str, where: Path) -> bytes | None:
+    def read(self, dir_fd: int, name: str, where: Path, limit: int = MAX_FILE_BYTES) -> bytes | None:
         """The bytes of regular file `name` in dir_fd, checked through the descriptor they are read
-        from; None if it is missing or not a regular file (a FIFO, a device, a directory)."""
+        from; None if it is missing, not a regular file (a FIFO, a device, a directory) or larger
+        than `limit` (a file the cache did not write: never read whole into memory)."""
         try:
             fd = os.open(name, _READ, dir_fd=dir_fd)
         except FileNotFoundError:
@@ -210,7 +257,10 @@ class Tree:
             if not stat.S_ISREG(st.st_mode):
                 return None
             self.check(where, st)
-            return f.read()
+            if st.st_size > limit:
+                return None
+            data = f.read(limit + 1)
+            return data if len(data) <= limit else None  # (grew meanwhile)
 
 
 def read_regular(path: Path, limit: int) -> str:
@@ -224,6 +274,19 @@ def read_regular(path: Path, limit: int) -> str:
         if st.st_size > limit:
             raise ValueError(f"{path} has {st.st_size} bytes, more than the {limit} it may have")
         return f.read(limit + 1).decode()
+
+
+def write_at(dir_fd: int, name: str, data: bytes) -> None:
+    """A new 0600 file `name` in the directory dir_fd (nothing if it exists: it is not replaced)."""
+    try:
+        fd = os.open(
+            name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC, 0o600, dir_fd=dir_fd
+        )
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(data)
 
 
 def listable(fd: int) -> int:

@@ -224,7 +224,7 @@ def _sha256(path: Path) -> str:
 def load_verified(found: tuple[Path, bytes], loader):
     """loader(path) on a path holding exactly a part's verified bytes (`verified`; jit/loading.py)."""
     cache = _cache()
-    private = (lambda: cache.make_private_dirs(".load")) if cache.trust == "own" else None
+    private = (lambda: cache.tree.opened(".load", create=True)) if cache.trust == "own" else None
     return loading.load(found[1], loader, private)
 
 
