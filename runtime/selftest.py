@@ -20,8 +20,8 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import tempfile
 import threading
+import uuid
 import warnings
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from . import env, reference
 from .errors import AttnPrologueError
 from .formats import FORMATS, ElementCode
 from .jit import compiler
-from .jit.trusted_fs import read_regular
+from .jit.trusted_fs import OWN, Tree, read_regular, write_at
 from .launcher import Launcher
 from .variants import Op, QOut, Variant
 
@@ -105,17 +105,17 @@ class Records:
             return {}
 
     def _write(self, record: dict) -> None:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # (the cache root: private)
-        fd, tmp = tempfile.mkstemp(
-            prefix=".selftest-", suffix=".tmp", dir=self.path.parent
-        )  # O_EXCL, mode 0600
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        """Through the cache root's checked descriptor; the root and its missing parents are made 0700
+        whatever the umask (a parent made with the umask's 0775 would then be refused on every load)."""
+        data = json.dumps(record, indent=1, sort_keys=True).encode()
+        with Tree(self.path.parent, OWN).opened(create=True) as root:
+            tmp = f".selftest-{uuid.uuid4().hex}.tmp"
+            write_at(root, tmp, data)  # O_EXCL, 0600
+            try:
+                os.replace(tmp, self.path.name, src_dir_fd=root, dst_dir_fd=root)
+            except BaseException:
+                os.unlink(tmp, dir_fd=root)
+                raise
 
 
 def _object(value) -> dict:

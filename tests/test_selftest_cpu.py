@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 
 import pytest
 import torch
 from attn_prologue import reference, selftest
 from attn_prologue.jit import compiler
+from attn_prologue.jit.kernel_cache import KernelCache
 from attn_prologue.launcher import Launcher
 from attn_prologue.variants import ArchFamily, Conversions, QOut, generated, parse_name
 
@@ -192,3 +194,19 @@ def test_the_fault_is_injected_only_when_asked_and_its_verdict_is_never_recorded
     records.store("env", v, v.portable_fallback or v, ok, detail)
     assert records.lookup("env", v, v.portable_fallback or v) is not None  # this process keeps it
     assert records.path.exists() is not injects  # later processes never see a verdict on a fake fault
+
+
+@pytest.mark.parametrize("umask", [0o002, 0o000])
+def test_the_records_missing_parents_are_made_private_whatever_the_umask(tmp_path, umask):
+    """Issue 51, item 5: made with the umask's 0775 or 0777, every later load from that cache was refused."""
+    root = tmp_path / "a" / "b" / "cache"
+    v = parse_name("qkv_d512r64_fp8_ds_mla_bf16_sm120")
+    old = os.umask(umask)
+    try:
+        selftest.Records(root).store("env", v, v, True, "ok")
+    finally:
+        os.umask(old)
+    for p in (tmp_path / "a", tmp_path / "a" / "b", root):
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o700, p
+    assert stat.S_IMODE(os.stat(root / "selftest.json").st_mode) == 0o600
+    assert KernelCache(root).read_files((), ("selftest.json",))["selftest.json"]  # trusted, not refused
