@@ -25,6 +25,7 @@ from .dispatch import MAX_BUCKET_LOG2, Runtime, default_runtime
 from .errors import InputError, ScratchError
 from .formats import get_format
 from .launch import LaunchConfig
+from .ops import is_neg
 from .scratch import ScratchPool
 from .variants import INTERLEAVED_PADDED_HEADS, Op, QLayout, QOut, Request, q_flags
 
@@ -168,7 +169,9 @@ class BoundOp(SlotWidthCalls):
                 or slot_mapping.dtype is not self._slot_dtype
                 or cos_sin_cache is not self._cos_sin_cache
                 or (n and not self._disjoint(q_in, kv, k_cache, slot_mapping, positions, n, m, micro_batch))
-            )
+                # a lazily negated view (k_cache and cos_sin_cache: the objects the last full check took)
+                or is_neg(q_in) or is_neg(kv) or is_neg(slot_mapping) or is_neg(positions)
+            )  # fmt: skip
         except (AttributeError, TypeError, IndexError):  # not tensors of the ranks a call takes
             stale = True
         if stale:

@@ -10,6 +10,7 @@ from .dispatch import MAX_BUCKET_LOG2, Runtime, default_runtime
 from .errors import InputError
 from .formats import get_format
 from .launch import LaunchConfig
+from .ops import is_neg
 from .variants import Op, Request
 
 
@@ -87,7 +88,9 @@ class BoundKvOp(SlotWidthCalls):
                 or k_cache is not self._k_cache
                 or slot_mapping.dtype is not self._slot_dtype
                 or not self._disjoint(kv, k_cache, slot_mapping, positions, cos_sin_cache)
-            )
+                # a lazily negated view (k_cache: the object the last full check took)
+                or is_neg(kv) or is_neg(slot_mapping) or is_neg(positions) or is_neg(cos_sin_cache)
+            )  # fmt: skip
         except (AttributeError, TypeError, IndexError):  # not tensors of the ranks a call takes
             stale = True
         if stale:

@@ -69,6 +69,10 @@ def native_plan(kind: str, calls, *args):
 
 
 data_ptr = torch.Tensor.data_ptr  # unbound: anything but a tensor raises TypeError (-> full validation)
+# A lazily negated view's stored bits are not its values: asked per call of every tensor (the native
+# plan asks torch too, or reads the flag in place). A conjugation bit lives on complex tensors only,
+# whose dtype the compiled function refuses before launching.
+is_neg = torch.Tensor.is_neg
 
 # The per-call overlap checks below compute each argument's [start, end) bytes from its data pointer,
 # row count and row stride, in the layout the compiled function accepts (unit inner strides, compact
@@ -219,6 +223,9 @@ def qnorm_rope_kv_insert(
             and (kv_scale is not None) == shape.needs_kv_scale
             and qkv_disjoint(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale,
                              q_scale, n, h, d, n_out, p, m, kb, kw, need)
+            and not (is_neg(q_in) or is_neg(kv) or is_neg(q_out) or is_neg(k_cache) or is_neg(slot_mapping)
+                     or is_neg(positions) or is_neg(cos_sin_cache) or (kv_scale is not None and is_neg(kv_scale))
+                     or (q_scale is not None and is_neg(q_scale)))
         )  # fmt: skip
     except (LookupError, AttributeError, TypeError, ValueError):
         ok = False
@@ -330,6 +337,9 @@ def kv_rope_insert(
             and (kv_scale is not None) == shape.needs_kv_scale
             and kv_disjoint(kv, norm_weight, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, m, d,
                             ms, n_pos, kb, kw, need)
+            and not (is_neg(kv) or is_neg(k_cache) or is_neg(slot_mapping) or is_neg(positions)
+                     or is_neg(cos_sin_cache) or (norm_weight is not None and is_neg(norm_weight))
+                     or (kv_scale is not None and is_neg(kv_scale)))
         )  # fmt: skip
     except (LookupError, AttributeError, TypeError, ValueError):
         ok = False

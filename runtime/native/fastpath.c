@@ -32,6 +32,9 @@ typedef struct {
 
 static PyTypeObject PlanType; /* defined after the methods (below) */
 
+/* torch.Tensor.is_neg: the exchange API hands a lazily negated view over as its stored bits. */
+static PyObject* g_is_neg = NULL;
+
 static int as_dltensor(PyObject* o, DLTensor* out) {
   if (g_api == NULL || !PyObject_TypeCheck(o, g_tensor_type)) return 0;
   if (g_unpack != NULL) {
@@ -42,7 +45,16 @@ static int as_dltensor(PyObject* o, DLTensor* out) {
     PyErr_Clear();
     return 0;
   }
-  return 1;
+  /* Stored bits that are not the values: a conjugation bit lives on complex tensors only (no kernel
+   * takes one: refused by dtype here), a negation bit is asked of torch (the unpacker reads both). */
+  if (out->dtype.code == kDLComplex) return 0;
+  PyObject* neg = PyObject_Vectorcall(g_is_neg, &o, 1, NULL);
+  if (neg == NULL) {
+    PyErr_Clear();
+    return 0;
+  }
+  Py_DECREF(neg);
+  return neg == Py_False;
 }
 
 static void* stream_of(const DLTensor* t) {
@@ -173,6 +185,10 @@ static PyObject* init(PyObject* mod, PyObject* args) {
                  "dltensor_from_py_object_no_sync", api->header.version.major, DLPACK_MAJOR_VERSION);
     return NULL;
   }
+  PyObject* is_neg = PyObject_GetAttrString(type, "is_neg");
+  if (is_neg == NULL) return NULL;
+  Py_XDECREF(g_is_neg);
+  g_is_neg = is_neg;
   Py_INCREF(type);
   Py_XDECREF((PyObject*)g_tensor_type);
   g_tensor_type = (PyTypeObject*)type;

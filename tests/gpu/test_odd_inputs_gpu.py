@@ -1,5 +1,6 @@
-"""Odd inputs on the GPU (tests/test_odd_inputs.py is the CPU side): a lazily negated view is refused
-on a shape's first call and, where the C++ torch-op library's reader is loaded, on its later calls; an
+"""Odd inputs on the GPU (tests/test_odd_inputs.py, test_lazy_views.py are the CPU side): a lazily negated
+view is refused on a shape's first call and on its later calls (read through the C++ torch-op library's
+reader or torch's DLPack exchange API), by the torch op and by both bound ops on every call; an
 empty cache or table on a cached shape and on a bound op; a bound KV op's rope dim; and the CPU
 implementation counts skipped rows as the kernels do."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import attn_prologue as ap
 import pytest
 import torch
-from attn_prologue import dispatch, ops, torch_op
+from attn_prologue import dispatch, ops
 from attn_prologue.errors import InputError
 
 from ..support.bad_inputs import BS, KV_ARGS, snapshot, unchanged, valid, valid_kv
@@ -21,9 +22,6 @@ QKV = ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_c
 @pytest.mark.parametrize("cached", [False, True], ids=["first call", "cached shape"])
 @pytest.mark.parametrize("name", ["kv", "positions", "cos_sin_cache"])
 def test_a_lazily_negated_view_is_refused_and_never_read_as_its_bits(cached, name):
-    if cached and torch_op.cuda_kernels() != "C++":
-        pytest.skip("without the C++ torch-op library's reader a cached shape's call reads tensors through "
-                    "torch's DLPack exchange API, which does not report the negation bit (docs/op.md)")  # fmt: skip
     rt = dispatch.Runtime()
     if cached:
         a = valid("cuda")
@@ -35,6 +33,42 @@ def test_a_lazily_negated_view_is_refused_and_never_read_as_its_bits(cached, nam
         ops.qnorm_rope_kv_insert(*(a[k] for k in QKV), runtime=rt)
     torch.cuda.synchronize()
     assert unchanged(before, a) == []
+
+
+@pytest.mark.parametrize("reader", ["as loaded", "exchange API"])
+@pytest.mark.parametrize("entry", ["function", "torch op", "bound op", "bound kv op"])
+def test_a_lazily_negated_view_is_refused_on_every_call_of_a_cached_shape(entry, reader):
+    """Issue 51, item 3: the later calls of a shape (the C plan, the Python hot paths, both bound ops)."""
+    from attn_prologue import native
+
+    fp = native.fastpath()
+    if reader == "exchange API" and fp is not None:
+        fp.set_unpacker(0)
+    try:
+        a = valid_kv("cuda") if entry == "bound kv op" else valid("cuda")
+        if entry == "bound op":
+            op = ap.bind(num_heads=4, head_dim=512, block_size=BS)  # Q in place
+            a["q_in"] = a["q_in"][:, :4].contiguous()
+            names = ("q_in", "kv", "k_cache", "slot_mapping", "positions", "cos_sin_cache")
+            call = lambda x: op(*(x[k] for k in names))  # noqa: E731
+        elif entry == "bound kv op":
+            op = ap.bind_kv(block_size=BS)
+            call = lambda x: op(*(x[k] for k in KV_ARGS[:5]))  # noqa: E731
+        elif entry == "torch op":
+            call = lambda x: torch.ops.attn_prologue.qnorm_rope_kv_insert(*(x[k] for k in QKV))  # noqa: E731
+        else:
+            call = lambda x: ap.qnorm_rope_kv_insert(*(x[k] for k in QKV))  # noqa: E731
+        for _ in range(3):  # the first call validates and caches; later ones take the hot paths
+            call(a)
+        a["kv"] = torch._neg_view(-a["kv"])
+        before = snapshot({k: v for k, v in a.items() if k != "kv"})
+        with pytest.raises(InputError, match="kv is a lazily negated view"):
+            call(a)
+        torch.cuda.synchronize()
+        assert unchanged(before, a) == []
+    finally:
+        if fp is not None:
+            fp.set_unpacker(native._tensor_reader)
 
 
 @pytest.mark.parametrize("what", ["k_cache", "cos_sin_cache"])
