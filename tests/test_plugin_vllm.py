@@ -24,7 +24,8 @@ from attn_prologue.plugins import vllm as plugin  # noqa: E402
 
 from tests.support import vllm_layers as L  # noqa: E402
 
-V4_ATTN = pytest.importorskip("vllm.models.deepseek_v4.attention").DeepseekV4Attention
+V4 = pytest.importorskip("vllm.models.deepseek_v4.attention")
+V4_ATTN = V4.DeepseekV4Attention
 V41 = pytest.importorskip("vllm.models.deepseek_v41.attention")
 V41_ATTN, V41_INDEXER = V41.DeepseekV4Attention, V41.DeepseekV4Indexer
 V41_COMPRESSOR = pytest.importorskip("vllm.models.deepseek_v41.compressor").DeepseekCompressor
@@ -33,6 +34,8 @@ SEAMS = [
     (V41_ATTN, "_fused_qnorm_rope_kv_insert"),
     (V41_COMPRESSOR, "insert_cache"),
     (V41_INDEXER, "_produce_k"),
+    (V4, "fused_indexer_q_rope_quant"),
+    (V41, "fused_indexer_q_rope_quant"),
 ]
 ORIGINALS = {seam: seam[0].__dict__[seam[1]] for seam in SEAMS}
 
@@ -296,6 +299,36 @@ def test_indexer_keys_match_our_op(installed, monkeypatch, fp4, ratio):
     with L.forward_context({layer.k_cache.prefix: type("M", (), {"slot_mapping": slots})}):
         V41_INDEXER._produce_k(layer, latent, positions, rotary)
     assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("module", [V4, V41], ids=["v4", "v41"])
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "mxfp4"])
+def test_the_indexers_q_runs_ours_where_vllm_calls_it(installed, monkeypatch, module, fp4):
+    """vLLM's attention modules call the function by the name they imported: the plugin's replacement
+    there returns vLLM's types holding our op's bytes (CPU tensors stand in for the GPU's here)."""
+    from attn_prologue.index_q import index_q_reference
+
+    monkeypatch.setattr(plugin, "_on_gpu", lambda t: True)
+    g = torch.Generator().manual_seed(21)
+    t, h = 7, 64
+    q = torch.randn(t, h, 128, generator=g).bfloat16()
+    weights = torch.randn(t, h, generator=g).bfloat16()
+    positions, table = torch.randint(0, 64, (t,), generator=g), L.cos_sin("cpu", seed=22)
+    w_dtype = torch.bfloat16 if fp4 else torch.float32
+    out, w = module.fused_indexer_q_rope_quant(positions, q, table, weights, 0.088, 0.125, use_fp4=fp4,
+                                               weights_out_dtype=w_dtype)  # fmt: skip
+    want = index_q_reference(
+        q, positions, table, weights, 0.088, 0.125, "mxfp4" if fp4 else "fp8_token", "vllm", w_dtype
+    )
+    if fp4:
+        (packed, scale_words) = out
+        assert scale_words.dtype == torch.int32 and scale_words.shape == (t, h)
+        assert torch.equal(packed, want[0]) and torch.equal(
+            scale_words.view(torch.uint8).view(t, h, 4), want[1]
+        )
+    else:
+        assert out.dtype == torch.float8_e4m3fn and torch.equal(out.view(torch.uint8), want[0])
+    assert torch.equal(w, want[2])
 
 
 def untouched_with_one_warning(caplog, needle: str) -> None:

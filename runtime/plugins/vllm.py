@@ -108,20 +108,24 @@ def _indexer_q(original: Callable) -> Callable:
     """vLLM's indexer-Q function with our kernels behind it (vLLM's outputs and bytes); vLLM's own runs
     for tensors off the GPU and for a call ours refuse (e.g. a bf16 cos/sin table), logged once."""
 
-    @functools.wraps(original)
     def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_weights,
                                    index_weights_softmax_scale, index_weights_head_scale, use_fp4=False,
                                    weights_out_dtype=torch.float32):  # fmt: skip
         args = (positions, index_q, index_q_cos_sin_cache, index_weights, index_weights_softmax_scale,
                 index_weights_head_scale, use_fp4, weights_out_dtype)  # fmt: skip
-        if index_q.is_cuda:
+        if _on_gpu(index_q):
             try:
                 return vllm_indexer.fused_indexer_q_rope_quant(*args)
             except REFUSALS as exc:
                 _tell_once("indexer_q", "the indexer's Q runs vLLM's kernel: ours refused the call (%s)", exc)
         return original(*args)
 
+    fused_indexer_q_rope_quant.__wrapped__ = original
     return fused_indexer_q_rope_quant
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda
 
 
 def _tell_once(key: str, message: str, *args) -> None:
