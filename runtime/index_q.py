@@ -22,11 +22,11 @@ import torch
 from . import numerics as nx
 from .errors import did_you_mean
 from .parity import NumericsError
+from .variants import INDEX_Q_FORMATS as FORMATS  # (element and block as the indexer keys' records)
 
 FP8_FLOOR = 1e-4  # vLLM's amax floor of the indexer Q's FP8 scale
 MXFP4_FLOOR = 6.0 * 2.0**-126  # and of the MXFP4 block scale (DeepSeek-V4's inference/kernel.py)
 MXFP4_BLOCK = 32
-FORMATS = ("fp8_token", "mxfp4")  # the quantized Q formats (element and block as the K records' names say)
 
 
 class IndexQFlag(enum.IntFlag):

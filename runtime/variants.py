@@ -333,16 +333,13 @@ def unsupported_reason(v: Variant) -> str | None:
     return None
 
 
-# the indexer's Q rows: 8 lanes of a row hold vectors j and j + 8 (templates/index_q.py.jinja)
-INDEX_Q_HEAD_DIMS = ((128, 64),)
-INDEX_Q_FORMATS = ("fp8_token", "mxfp4")  # the quantized Q of the indexer keys' two record formats
+# the indexer's Q: (D, R) of its rows (8 lanes a row: templates/index_q.py.jinja), the indexer keys' formats
+INDEX_Q_HEAD_DIMS, INDEX_Q_FORMATS = ((128, 64),), ("fp8_token", "mxfp4")
 
 
 def _index_q_unsupported(v: Variant) -> str | None:
-    if (v.head_dim, v.rope_dim) not in INDEX_Q_HEAD_DIMS:
-        return f"index_q: generated for (D, R) in {INDEX_Q_HEAD_DIMS}, not ({v.head_dim}, {v.rope_dim})"
-    if v.cache_format not in INDEX_Q_FORMATS:
-        return f"index_q quantizes Q as {' or '.join(INDEX_Q_FORMATS)}, not {v.cache_format}"
+    if (v.head_dim, v.rope_dim) not in INDEX_Q_HEAD_DIMS or v.cache_format not in INDEX_Q_FORMATS:
+        return f"index_q is generated for (D, R) in {INDEX_Q_HEAD_DIMS} and {' or '.join(INDEX_Q_FORMATS)}"
     if v.q_out is not QOut.IO or v.q_layout is not QLayout.HEAD_MAJOR:
         return "index_q has its own outputs: no q_out dtype or Q layout axis applies"
     return None
