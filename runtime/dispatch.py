@@ -21,7 +21,7 @@ import torch
 
 from . import selftest, tuning
 from .errors import AttnPrologueError, InputError, UnsupportedError
-from .jit.kernel_cache import KernelCache, KernelKey, KernelLoadError
+from .jit.kernel_cache import CacheWriteError, KernelCache, KernelKey, KernelLoadError, KernelNotBuiltError
 from .launch import LaunchConfig
 from .launcher import Launcher
 from .variants import ArchFamily, Request, Variant, arch_for_capability, find, generated
@@ -216,6 +216,10 @@ class Runtime:
         a cache that cannot be written) as a KernelLoadError naming the kernel."""
         try:
             return self.cache.load(key)
+        except (KernelNotBuiltError, CacheWriteError) as exc:  # (typed, and OSErrors: said the same way)
+            raise KernelLoadError(
+                f"kernel {key.variant} [{key.config.key}] for {key.target} could not be loaded or built: {exc}"
+            ) from exc
         except AttnPrologueError:
             raise
         except OSError as exc:

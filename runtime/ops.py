@@ -223,6 +223,7 @@ def qnorm_rope_kv_insert(
             and (kv_scale is not None) == shape.needs_kv_scale
             and qkv_disjoint(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale,
                              q_scale, n, h, d, n_out, p, m, kb, kw, need)
+            and not q_out.requires_grad  # autograd would not see the write
             and not (is_neg(q_in) or is_neg(kv) or is_neg(q_out) or is_neg(k_cache) or is_neg(slot_mapping)
                      or is_neg(positions) or is_neg(cos_sin_cache) or (kv_scale is not None and is_neg(kv_scale))
                      or (q_scale is not None and is_neg(q_scale)))

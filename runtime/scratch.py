@@ -55,7 +55,21 @@ class ScratchPool:
 
     @staticmethod
     def _key(device, micro_batch: int, dtype: torch.dtype, padded_heads: int, head_dim: int) -> tuple:
-        device = torch.device(device) if device is not None else torch.device("cuda")
+        """The buffer's key; ScratchError for what no buffer can be keyed by (checked before anything)."""
+        for name, value, least in (("padded_heads", padded_heads, 1), ("head_dim", head_dim, 1),
+                                   ("micro_batch", micro_batch, 0)):  # fmt: skip
+            if type(value) is not int or value < least:
+                raise ScratchError(f"{name} must be an int >= {least}, got {value!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise ScratchError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+        try:
+            device = torch.device(device) if device is not None else torch.device("cuda")
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ScratchError(f'device must be a CUDA device or "cpu", got {device!r} ({exc})') from None
+        if device.type not in ("cuda", "cpu"):
+            raise ScratchError(
+                f'the scratch pool serves CUDA devices and "cpu" (the CPU functions), not {device}'
+            )
         if device.type == "cuda" and device.index is None:
             if not torch.cuda.is_available():
                 raise ScratchError(
@@ -91,17 +105,31 @@ class ScratchPool:
             if self._locked:
                 raise ScratchError("the scratch pool is locked: reserve everything before lock()")
             dev = self._key(device, 0, dtype, padded_heads, head_dim)[0]
+            if dev.type == "cuda" and not (
+                torch.cuda.is_available() and dev.index < torch.cuda.device_count()
+            ):
+                raise ScratchError(
+                    f'no CUDA device {dev} here: reserve on a GPU this process sees, or on "cpu"'
+                )
             if dev.type == "cuda":
                 (runtime or default_runtime()).prepare(dev)
+            made = {}  # every buffer is allocated before any is replaced: a failure changes nothing
             for mb in range(micro_batches):
-                key = self._key(device, mb, dtype, padded_heads, head_dim)
+                key = self._key(dev, mb, dtype, padded_heads, head_dim)
                 buf = self._buffers.get(key)
-                if buf is not None and buf.tensor.shape[0] >= max_tokens:
-                    continue
+                if buf is None or buf.tensor.shape[0] < max_tokens:
+                    try:
+                        made[key] = torch.zeros((max_tokens, padded_heads, head_dim), dtype=dtype, device=dev)
+                    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+                        raise ScratchError(
+                            f"could not allocate {max_tokens} x {padded_heads} x {head_dim} {dtype} on {dev} "
+                            f"({str(exc).splitlines()[0]}): reserve fewer tokens or micro-batches"
+                        ) from None
+            for key, t in made.items():
+                buf = self._buffers.get(key)
                 if buf is not None:
                     buf.retire(f"replaced by a larger one ({max_tokens} tokens)")
                     added -= buf.tensor.numel() * buf.tensor.element_size()
-                t = torch.zeros((max_tokens, padded_heads, head_dim), dtype=dtype, device=key[0])
                 self._buffers[key] = (
                     _Buffer(t, buf.live_heads, buf.q_layout, buf.pads_written) if buf else _Buffer(t)
                 )
@@ -202,6 +230,8 @@ class ScratchPool:
     def claim_micro_batches(self, live_heads: int, micro_batches: int, **claim) -> list[torch.Tensor]:
         """claim() of micro-batches 0 .. micro_batches - 1 (the other arguments as claim's), all or
         none: when one is refused, the buffers already claimed are left as they were."""
+        if type(micro_batches) is not int or micro_batches < 1:
+            raise ScratchError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
         was = []  # (buffer, live_heads, q_layout, pads_written, owner among its claimants) before
         owner = claim.get("owner")
         try:

@@ -228,6 +228,7 @@ def load_native_kernels(*, build: bool = False):
     _python_cuda._destroy()
     try:
         handle = native.load_verified(found, lambda path: ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL))
+        native.reader_of(handle)  # (NativeBuildError before the Python kernels are gone for good)
     except BaseException:
         _python_cuda = _python_cuda_kernels()
         raise
@@ -252,6 +253,28 @@ def refuse_meta(**tensors) -> None:
                 f"{name} is a meta tensor: attn_prologue ops take CPU or CUDA tensors (a meta tensor holds "
                 "no data: nothing would be written)"
             )
+
+
+def _refusing_bool_scalars(name: str, block_at: int, eps_at: int, eps_default: float) -> None:
+    """torch.ops.attn_prologue.<name>(...) refuses a bool or float block_size and a bool eps (InputError):
+    the schema would convert True to 1 (or 1.0) before any kernel sees it. The packet's own __call__ is
+    replaced (its class swapped for a subclass), so a call costs two type checks more."""
+    packet = getattr(torch.ops.attn_prologue, name)
+
+    class Checked(type(packet)):
+        def __call__(self, /, *args, **kwargs):
+            n = len(args)
+            ops.check_scalar_types(
+                args[eps_at] if n > eps_at else kwargs.get("eps", eps_default),
+                args[block_at] if n > block_at else kwargs.get("block_size", 1),
+            )
+            return self._op(*args, **kwargs)
+
+    packet.__class__ = Checked
+
+
+_refusing_bool_scalars("qnorm_rope_kv_insert", block_at=8, eps_at=7, eps_default=0.0)
+_refusing_bool_scalars("kv_rope_insert", block_at=5, eps_at=8, eps_default=1e-6)
 
 
 try:  # the C++ CUDA kernels, where `attn-prologue build` built them for this torch

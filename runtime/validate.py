@@ -243,6 +243,11 @@ def check_qkv(
     )
     _check_rows("q_in", q_in, 3, d, q_in.dtype)
     _check_tensor("q_out", q_out, device)
+    if q_out.requires_grad:
+        _fail(
+            "q_out requires grad: the op writes it in place, which autograd would not record; pass one that "
+            "does not (allocate it under torch.no_grad(), or q_out.requires_grad_(False) on a leaf)"
+        )
     out_dtype = FP8 if q_scale is not None else q_in.dtype
     if q_out.dtype != out_dtype:
         hint = " (an FP8 q_out needs q_scale)" if q_out.dtype == FP8 else ""

@@ -243,7 +243,7 @@ def test_a_second_user_refuses_a_cache_it_does_not_own_unless_shared(built):
             assert f"kernel cache path {mine} is owned by uid {os.geteuid()}" in seen[what]["message"]
             assert f"not by this user (uid {OTHER_UID})" in seen[what]["message"]
         assert seen["read it as a shared cache"] == {"ok": "True"}
-        assert seen["build into the shared cache"]["error"] == "FileNotFoundError"
+        assert seen["build into the shared cache"]["error"] == "KernelNotBuiltError"  # (a FileNotFoundError)
         assert "read-only" in seen["build into the shared cache"]["message"]
         assert sorted(str(p) for p in team.rglob("*")) == team_before  # nothing written there
         assert seen["build a cache of its own"] == {"ok": repr(KEY.variant)}

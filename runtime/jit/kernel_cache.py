@@ -76,6 +76,14 @@ class KernelLoadError(AttnPrologueError, RuntimeError):
     """An intact, trusted entry could not be loaded (e.g. a .so built for another machine)."""
 
 
+class KernelNotBuiltError(AttnPrologueError, FileNotFoundError):
+    """A kernel is in no cache and may not be compiled here (a shared cache, compile_if_missing=False)."""
+
+
+class CacheWriteError(AttnPrologueError, OSError):
+    """A miss could not be built into the cache: it is read-only, full, or not writable by this user."""
+
+
 @dataclass(frozen=True)
 class KernelKey:
     variant: str
@@ -205,10 +213,21 @@ class KernelCache:
         if meta is not None:
             return meta
         if self.trust == "shared":
-            raise FileNotFoundError(
+            raise KernelNotBuiltError(
                 f"kernel {key.variant} [{key.config.key}] for {key.target} is not in the shared cache "
                 f"{self.root} (a shared cache is read-only: build into a cache of your own)"
             )
+        try:
+            return self._build(key, rebuild)
+        except AttnPrologueError:
+            raise
+        except OSError as exc:  # a read-only or full cache, or one this user cannot write
+            raise CacheWriteError(
+                f"could not build kernel {key.variant} [{key.config.key}] for {key.target} into the cache "
+                f"{self.root}: {exc}; free space there, or name a writable cache ({ENV_CACHE_DIR}=...)"
+            ) from exc
+
+    def _build(self, key: KernelKey, rebuild: bool) -> dict:
         d = self.entry_dir(key)
         self.make_private_dirs(*key.relpath().parts[:-1])
         with self._build_lock(d):
@@ -280,7 +299,7 @@ class KernelCache:
                 meta, so = self._read_prebuilt(key)
             if meta is None:
                 if not compile_if_missing:
-                    raise FileNotFoundError(
+                    raise KernelNotBuiltError(
                         f"kernel {key.variant} [{key.config.key}] for {key.target} is not built"
                     )
                 self.ensure_built(key)
@@ -344,7 +363,12 @@ class KernelCache:
                 f"kernel cache entry {self.entry_dir(key)} passed its checks but did not load on this "
                 f"machine ({compiler.host_tag()}): {exc}"
             ) from exc
-        return module[compiler.SYMBOL]
+        try:
+            return module[compiler.SYMBOL]
+        except Exception as exc:  # a trusted library without the kernel's symbol: not a kernel entry
+            raise KernelLoadError(
+                f"kernel cache entry {self.entry_dir(key)} has no {compiler.SYMBOL} to call ({exc})"
+            ) from exc
 
 
 def _load_tvm_module(path: str):

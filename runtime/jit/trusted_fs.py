@@ -42,6 +42,7 @@ _LIST = os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC | os.O_RDONLY
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC  # a FIFO opens at once, then is refused
 MAX_LINKS = 40  # links followed while resolving one path (the kernel's own limit, ELOOP)
 MAX_FILE_BYTES = 1 << 30  # no kernel, native part or record comes near; a larger file is not the cache's
+MAX_JSON_BYTES = 4 << 20  # a meta.json or record: a few KiB
 MARKER = ".attn-prologue-cache"  # written into a root the cache creates; `clean` cleans only such roots
 
 
@@ -240,7 +241,7 @@ class Tree:
         fds.append(fd)
         return fd
 
-    def read(self, dir_fd: int, name: str, where: Path, limit: int = MAX_FILE_BYTES) -> bytes | None:
+    def read(self, dir_fd: int, name: str, where: Path, limit: int | None = None) -> bytes | None:
         """The bytes of regular file `name` in dir_fd, checked through the descriptor they are read
         from; None if it is missing, not a regular file (a FIFO, a device, a directory) or larger
         than `limit` (a file the cache did not write: never read whole into memory)."""
@@ -257,6 +258,8 @@ class Tree:
             if not stat.S_ISREG(st.st_mode):
                 return None
             self.check(where, st)
+            if limit is None:
+                limit = MAX_JSON_BYTES if name.endswith(".json") else MAX_FILE_BYTES
             if st.st_size > limit:
                 return None
             data = f.read(limit + 1)

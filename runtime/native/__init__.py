@@ -70,7 +70,17 @@ def enabled() -> bool:
 
 def _compiler(var: str, fallback: str) -> list[str]:
     """$CC / $CXX, else the compiler Python was built with if this host has it, else cc / c++."""
-    command = shlex.split(os.environ.get(var) or sysconfig.get_config_var(var) or fallback)
+    given = os.environ.get(var) or sysconfig.get_config_var(var) or fallback
+    try:
+        command = shlex.split(given)
+    except ValueError as exc:  # e.g. an unclosed quote
+        raise NativeBuildError(
+            f"{var}={given!r} is not a command ({exc}): unset it or name a compiler"
+        ) from None
+    if not command:
+        raise NativeBuildError(
+            f"{var}={given!r} names no compiler: unset it or name one (e.g. {var}={fallback})"
+        )
     return command if shutil.which(command[0]) else [fallback]
 
 
@@ -243,11 +253,21 @@ def use_tensor_reader(library: ctypes.CDLL) -> None:
     """Hand the fast-path module the tensor reader of the C++ torch-op library just loaded (it reads a
     tensor in place; torch's DLPack exchange API serves without it)."""
     global _tensor_reader
-    reader = library.ap_dltensor_from_pyobject
+    reader = reader_of(library)
     _tensor_reader = ctypes.cast(reader, ctypes.c_void_p).value or 0
     module = fastpath() if fastpath.cache_info().currsize else None  # not yet made: it takes the reader then
     if module is not None:
         module.set_unpacker(_tensor_reader)
+
+
+def reader_of(library: ctypes.CDLL):
+    """The C++ torch-op library's tensor reader (NativeBuildError: a library without it is not ours)."""
+    try:
+        return library.ap_dltensor_from_pyobject
+    except AttributeError:
+        raise NativeBuildError(
+            f"the native torch_ops library has no ap_dltensor_from_pyobject ({library})"
+        ) from None
 
 
 def _unavailable(why: str) -> None:
@@ -278,7 +298,13 @@ def fastpath():
         module = load_verified(found, _extension_module)
         module.init(api, torch.Tensor)
         module.set_unpacker(_tensor_reader)
-    except (AttnPrologueError, OSError, ImportError, RuntimeError) as exc:
+    except (
+        AttnPrologueError,
+        OSError,
+        ImportError,
+        RuntimeError,
+        AttributeError,
+    ) as exc:  # (no init: not ours)
         _unavailable(str(exc).splitlines()[0])
         return None
     sys.modules.setdefault(FASTPATH_MODULE, module)

@@ -34,6 +34,19 @@ static PyTypeObject PlanType; /* defined after the methods (below) */
 
 /* torch.Tensor.is_neg: the exchange API hands a lazily negated view over as its stored bits. */
 static PyObject* g_is_neg = NULL;
+static PyObject* g_requires_grad = NULL; /* "requires_grad", interned */
+
+/* Does q_out require grad? The kernel's write would be invisible to autograd (the Python path refuses
+ * it, naming the fix). An attribute read of a flag, not a method call. */
+static int requires_grad(PyObject* o) {
+  PyObject* r = PyObject_GetAttr(o, g_requires_grad);
+  if (r == NULL) {
+    PyErr_Clear();
+    return 1;
+  }
+  Py_DECREF(r);
+  return r != Py_False;
+}
 
 static int as_dltensor(PyObject* o, DLTensor* out) {
   if (g_api == NULL || !PyObject_TypeCheck(o, g_tensor_type)) return 0;
@@ -92,6 +105,7 @@ static int nargs_is(Py_ssize_t nargs, Py_ssize_t want, const char* name) {
 /* qkv(q_in, kv, q_out, k_cache, slot_mapping, positions, cos_sin_cache, kv_scale, q_scale) -> bool */
 static PyObject* plan_qkv(PlanObject* self, PyObject* const* args, Py_ssize_t nargs) {
   if (!nargs_is(nargs, 9, "qkv")) return NULL;
+  if (requires_grad(args[2])) Py_RETURN_FALSE;
   TENSOR(0, q_in) TENSOR(1, kv) TENSOR(2, q_out) TENSOR(3, k_cache) TENSOR(4, slots) TENSOR(5, positions)
   TENSOR(6, cos_sin) OPTIONAL_TENSOR(7, kv_scale, kv_scale_p) OPTIONAL_TENSOR(8, q_scale, q_scale_p)
   int ok = ap_one_call_qkv(&self->plan, &q_in, &kv, &q_out, &k_cache, &slots, &positions, &cos_sin, kv_scale_p,
@@ -187,6 +201,10 @@ static PyObject* init(PyObject* mod, PyObject* args) {
   }
   PyObject* is_neg = PyObject_GetAttrString(type, "is_neg");
   if (is_neg == NULL) return NULL;
+  if (g_requires_grad == NULL && (g_requires_grad = PyUnicode_InternFromString("requires_grad")) == NULL) {
+    Py_DECREF(is_neg);
+    return NULL;
+  }
   Py_XDECREF(g_is_neg);
   g_is_neg = is_neg;
   Py_INCREF(type);

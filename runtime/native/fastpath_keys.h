@@ -178,6 +178,7 @@ static PyObject* kv_key(PyObject* mod, PyObject* const* a, Py_ssize_t nargs) {
 static PyObject* run_qkv(PyObject* mod, PyObject* const* args, Py_ssize_t nargs) {
   if (!nargs_is(nargs, 1 + QKV_KEY_ARGS, "run_qkv")) return NULL;
   PyObject* const* a = args + 1;
+  if (requires_grad(a[2])) Py_RETURN_NONE; /* q_out */
   DLTensor t[9];
   DLTensor *kv_scale = NULL, *q_scale = NULL;
   for (int i = 0; i < 7; ++i)

@@ -162,6 +162,7 @@ void qkv_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
     put_bytes(key, a[4].toTensor().scalar_type());
   }
   run(plans, "attn_prologue::qnorm_rope_kv_insert_slow", stack, 16, key, [&](const ap_plan* plan) {
+    if (q_out.requires_grad()) return false;  // autograd would not see the write: the slow path says so
     DLTensor t[9];
     for (int i = 0; i < 7; ++i)
       if (!fill(a[i].toTensor(), &t[i])) return false;
