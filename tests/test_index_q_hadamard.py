@@ -1,5 +1,5 @@
 """Golden vectors of runtime/index_q_hadamard.py (SGLang 0.5.23 / TokenSpeed 0.1.4 indexer Q with a
-Hadamard rotation), derived BY HAND in the comments from the cited kernel formulas (notes/hadamard.md).
+Hadamard rotation), derived BY HAND in the comments from the cited kernel formulas (docs/index-q.md; the file and line of each fact are cited in attn_prologue.index_q_hadamard).
 
 Shared facts: c = fl32(128 ** -0.5) = 0x3DB504F3 = 0.0883883461...; bf16(c) = 0x3DB5 = 0.08837890625
 (the dropped half 0x04F3 < 0x8000). Position 0 of the test cache has cos = 1, sin = 0 (RoPE is the
