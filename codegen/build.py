@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from attn_prologue import index_q, tuning
-from attn_prologue.jit import compiler
+from attn_prologue.jit import cleaning, compiler
 from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.jit.trusted_fs import write_private
 from attn_prologue.launch import LaunchConfig
@@ -239,6 +239,7 @@ def run(
     t0 = time.perf_counter()
     graph = None
     if missing:
+        cleaning.remove_dead(cache.tree, ("build",), r"(\d+)-[0-9a-f]{8}")  # what killed builds left
         here = cache.make_private_dirs("build", f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
         graph = here / "build.ninja"
         write_graph(cache, missing, graph, jobs, verbose)

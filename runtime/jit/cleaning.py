@@ -33,7 +33,7 @@ LAYOUT: dict = {
         "fastpath|torch_ops": {
             rf"{_HEX}{{20}}": {rf"meta\.json|[\w.-]+\.so|{_TMP}": FILE},
             rf"{_HEX}{{20}}\.lock": FILE,
-            rf"\.{_HEX}{{20}}-\w+": ANY,  # a build's temporary folder
+            rf"\.{_HEX}{{20}}-[\w-]+": ANY,  # a build's temporary folder
         }
     },
     r"\.load": {rf"{_HEX}{{16}}-{_HEX}{{8}}\.so": FILE},
@@ -132,3 +132,41 @@ def clean(tree: Tree) -> list[str]:
             else:
                 os.unlink(name, dir_fd=fd)
         return names
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_dead(tree: Tree, parts: tuple[str, ...], pattern: str) -> list[str]:
+    """Remove what a killed build left in root/parts: entries matching `pattern`, whose first group is
+    the pid that made them, when no process has that pid now (a live one's are its own). The names
+    removed. Builds on other hosts sharing this cache are not told apart (one host per cache assumed)."""
+    removed = []
+    with tree.opened(*parts) as fd:
+        if fd is None:
+            return removed
+        listed = listable(fd)
+        try:
+            names = os.listdir(listed)
+        finally:
+            os.close(listed)
+        for name in names:
+            m = re.fullmatch(pattern, name)
+            if m is None or int(m[1]) == os.getpid() or _running(int(m[1])):
+                continue
+            try:
+                if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(name, dir_fd=fd)  # (never follows a link)
+                else:
+                    os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:  # removed meanwhile by another build
+                continue
+            removed.append(name)
+    return removed

@@ -46,7 +46,7 @@ from filelock import FileLock
 
 from .. import env
 from ..errors import AttnPrologueError
-from ..jit import loading
+from ..jit import cleaning, loading
 from ..jit.compiler import host_tag
 from ..jit.kernel_cache import KernelCache
 from ..jit.trusted_fs import write_private
@@ -207,7 +207,8 @@ def build(part: str, root: Path | None = None) -> Path:
             if found is not None:
                 return found
             name = PARTS[part][0]
-            tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{key}-"))  # 0700
+            cleaning.remove_dead(cache.tree, _entry(part)[:-1], r"\.[0-9a-f]{20}-(\d+)-\w+")  # killed builds
+            tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{key}-{os.getpid()}-"))  # 0700
             try:
                 command = PARTS[part][2](tmp / name)
                 done = subprocess.run(command, capture_output=True, text=True)
