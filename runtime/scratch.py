@@ -194,11 +194,11 @@ class ScratchPool:
         `writes_pads=True` claims it instead for writers that store all P heads on every call (pads
         as zeros): any H and layout, but then no zero-once claim. `owner` (a bound op) is told through
         `owner.invalidate(reason)` when the buffer is released or replaced. Returns the buffer."""
+        k = self._key(device, micro_batch, dtype, padded_heads, head_dim)  # (typed checks first)
         if type(live_heads) is not int or not 0 < live_heads <= padded_heads:
             raise ScratchError(
                 f"live_heads must be an int in [1, padded_heads={padded_heads}], got {live_heads!r}"
             )
-        k = self._key(device, micro_batch, dtype, padded_heads, head_dim)
         self.buffer(
             padded_heads=padded_heads, head_dim=head_dim, dtype=dtype, micro_batch=micro_batch, device=device
         )

@@ -37,7 +37,6 @@ QKV = ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_c
 KV = ("kv", "k_cache", "slot_mapping", "positions", "cos_sin_cache", "block_size", "cache_format", "norm_weight",
       "eps", "kv_scale")  # fmt: skip
 BOUND = ("q_in", "kv", "k_cache", "slot_mapping", "positions", "cos_sin_cache")
-SCALAR_EDITS = ("block_size True", "block_size float", "eps True")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor | None:
@@ -111,8 +110,8 @@ def check_reference_paths(seed: int, op: str, edit_seed, compat: Compat, tally: 
     c = make_call(seed, op, edit_seed)
     want = None if c.edits else expected(c)
     for name, (call, passed) in reference_entries(c, compat).items():
-        if name.endswith("op") and any(e in SCALAR_EDITS for e in c.edits):
-            continue  # the schema converts these before our code runs
+        if name == "compat op" and any(EDITS[e].kind == "scalar" for e in c.edits):
+            continue  # vLLM's schema converts these before our code runs (ours refuse them first)
         if passed is not None and any(not set(EDITS[e].touches) <= passed for e in c.edits):
             continue  # the edit changed an argument this entry does not take
         x = make_call(seed, op, edit_seed)  # fresh tensors
@@ -218,3 +217,62 @@ def test_every_entry_point_refuses_typed_before_writing_and_matches_the_referenc
     for outcome in ("accepted", "refused"):  # both outcomes, on both kinds of path
         assert tally[f"reference {outcome}"] >= 200 and tally[f"stub {outcome}"] >= 200, tally
     assert seconds < 120, f"{seconds:.0f} s: keep the fuzz well under a minute on 2 cores"
+
+
+# ---- the scratch pool ----------------------------------------------------------------------------------
+POOL_VALUES = {  # the first value of each is valid; the others mostly not
+    "max_tokens": (3, 1, 0, -1, 2.0, True, "4", None, 2**40),
+    "padded_heads": (8, 4, 0, 8.0, True, None),
+    "head_dim": (64, 32, 0, "64", 64.5),
+    "micro_batches": (2, 1, 0, 2.5, "2"),
+    "micro_batch": (0, 1, -1, "0", 1.0),
+    "n_tokens": (2, 0, 3, -1, 1.5, True, 2**40),
+    "live_heads": (4, 1, 0, 9, 2.0),
+    "dtype": (torch.bfloat16, torch.float16, "bfloat16", None, torch.float32),
+    "device": ("cpu", "cpu", "meta", "bogus", 7, None),
+}
+POOL_METHODS = {  # method -> its arguments (the first one positional where the method takes it so)
+    "reserve": ("max_tokens", "padded_heads", "head_dim", "dtype", "micro_batches", "device"),
+    "capacity": ("padded_heads", "head_dim", "dtype", "micro_batch", "device"),
+    "buffer": ("padded_heads", "head_dim", "dtype", "micro_batch", "device"),
+    "view": ("n_tokens", "padded_heads", "head_dim", "dtype", "micro_batch", "device"),
+    "claim": ("live_heads", "padded_heads", "head_dim", "dtype", "micro_batch", "device"),
+    "claim_micro_batches": ("live_heads", "micro_batches", "padded_heads", "head_dim", "dtype", "device"),
+    "lock": (),
+}
+POSITIONAL = {"view": 1, "claim": 1, "claim_micro_batches": 2}
+
+
+def _pool_state(pool) -> list:
+    return sorted(
+        ((str(k), id(b.tensor), b.tensor.shape[0], b.live_heads, b.q_layout, b.pads_written, b.tensor.sum().item())
+         for k, b in pool._buffers.items()), key=str,
+    ) + [pool.locked]  # fmt: skip
+
+
+def test_the_scratch_pool_refuses_typed_and_changes_nothing_when_it_refuses():
+    """Random calls of every ScratchPool method with valid and invalid sizes, dtypes, devices and
+    micro-batches (CPU buffers): each returns or raises the package's typed error, and a refused call
+    leaves every buffer, its claim and the lock as they were."""
+    rng = random.Random(SEED + 1)
+    tally: Counter = Counter()
+    pool = api.ScratchPool()
+    for trial in range(600):
+        if trial % 60 == 0:
+            pool.release()
+        method = rng.choice(list(POOL_METHODS))
+        names = POOL_METHODS[method]
+        values = {
+            n: POOL_VALUES[n][0 if rng.random() < 0.6 else rng.randrange(len(POOL_VALUES[n]))] for n in names
+        }
+        k = POSITIONAL.get(method, 0)
+        args, kwargs = [values[n] for n in names[:k]], {n: values[n] for n in names[k:]}
+        before = _pool_state(pool)
+        try:
+            getattr(pool, method)(*args, **kwargs)
+        except AttnPrologueError:
+            assert _pool_state(pool) == before, f"trial {trial}: {method}({values}) refused after a change"
+            tally["refused"] += 1
+            continue
+        tally["accepted"] += 1
+    assert tally["refused"] >= 100 and tally["accepted"] >= 100, tally

@@ -204,8 +204,8 @@ class Edit:
     apply: object  # (call, rng) -> whether it applied
     kind: object  # True: a rule the host code checks on every call (the fast paths too); False: one the
     # compiled kernel's own argument check enforces on CUDA (dtypes, ranks, strides, devices), which a
-    # CPU stand-in kernel does not, or the negation bit a DLPack read cannot see; "scalar": a Python
-    # scalar type the torch ops' schema converts (True -> 1) or refuses untyped, before any of our code
+    # CPU stand-in kernel does not; "scalar": a Python scalar type the torch ops' schema would convert
+    # (True -> 1) or refuse untyped, refused by the ops' own check first (torch_op.py)
     touches: tuple  # the arguments it changes or relies on
 
 
@@ -242,6 +242,10 @@ EDITS = {
     "block_size True": Edit(_set("block_size", True), "scalar", ("block_size",)),
     "block_size float": Edit(_set("block_size", lambda c: float(c.args["block_size"])), "scalar", ("block_size",)),
     "eps True": Edit(_set("eps", True), "scalar", ("eps",)),
+    "eps text": Edit(_set("eps", "1e-6"), "scalar", ("eps",)),
+    "block_size text": Edit(_set("block_size", "16"), "scalar", ("block_size",)),
+    "eps nan": Edit(_set("eps", math.nan), True, ("eps",)),
+    "block_size 2**40": Edit(_set("block_size", 2**40), True, ("block_size",)),
     "kv in another dtype": Edit(_set("kv", lambda c: c.args["kv"].float()), False, ("kv",)),
     "positions int32": Edit(_set("positions", lambda c: c.args["positions"].int()), False, ("positions",)),
     "cos_sin_cache bfloat16": Edit(_set("cos_sin_cache", lambda c: c.args["cos_sin_cache"].bfloat16()), False,
@@ -255,7 +259,7 @@ EDITS = {
                              ("slot_mapping",)),
     "positions meta": Edit(_set("positions", lambda c: c.args["positions"].to("meta")), False, ("positions",)),
     "k_cache meta": Edit(_set("k_cache", lambda c: c.args["k_cache"].to("meta")), False, ("k_cache",)),
-    **{f"{name} negated view": Edit(_when(lambda c, n=name: n in c.args, _negated(name)), False, (name,))
+    **{f"{name} negated view": Edit(_when(lambda c, n=name: n in c.args, _negated(name)), True, (name,))
        for name in ("q_in", "kv", "q_out", "k_cache", "positions", "cos_sin_cache", "norm_weight")},
 }  # fmt: skip
 
