@@ -294,7 +294,9 @@ def test_supported_space_has_exactly_the_expected_axes():
     # portable twin (its FP8 scale comes from the float32 bits on every target)
     index_q = {s for s in first if s[0] is Op.INDEX_Q}
     assert index_q == {
-        (Op.INDEX_Q, QOut.IO, 128, 64, f, io, QLayout.HEAD_MAJOR) for f in ("fp8_token", "mxfp4") for io in IoDtype
+        (Op.INDEX_Q, QOut.IO, 128, 64, f, io, QLayout.HEAD_MAJOR)
+        for f in ("fp8_token", "mxfp4")
+        for io in IoDtype
     }
     first = first - index_q
     # per (format, D): the ops; NVFP4 records take no kv_norm, and the V4.1 compressed record no qkv

@@ -75,7 +75,7 @@ def test_the_ninja_graph_its_folder_and_the_stamps_are_private(built, tmp_path, 
     cache = KernelCache(tmp_path / "cache")
     seen = {}
 
-    def ninja(cmd, *_):  # instead of running ninja: look at what `build` made for it
+    def ninja(cmd, *_, **__):  # instead of running ninja: look at what `build` made for it
         here = Path(cmd[cmd.index("-C") + 1])
         seen.update({p: mode(p) for p in (here.parent, here, here / "build.ninja")})
         return 1
