@@ -5,6 +5,7 @@ when it runs."""
 from __future__ import annotations
 
 import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -83,7 +84,9 @@ def _print_not_generated(generated: set[str], dropped, verbose: bool) -> None:
         + ("" if verbose else " (--verbose: every name)")
     )
     for why, names in sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        print(f"  {len(names):4d} x {why}" + ("" if verbose else f" (e.g. {names[0]})"))
+        line = f"{len(names):4d} x {why}" + ("" if verbose else f" (e.g. {names[0]})")
+        # a long reason is wrapped to a terminal's width (continued at 7 spaces; --verbose's names are at 9)
+        print(textwrap.fill(line, width=100, initial_indent="  ", subsequent_indent=" " * 7))
         if verbose:
             print("".join(f"         {n}\n" for n in names), end="")
 
