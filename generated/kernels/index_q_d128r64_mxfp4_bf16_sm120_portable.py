@@ -214,7 +214,9 @@ class Kernel(KernelBase):
             inv = cutlass.select_(saturate & (e == Uint32(254)), kl.f32_from_bits(Uint32(0x00400000)), inv)
             y = cute.make_rmem_tensor(VEC, Float32)
             y.store(ys[s].load() * inv)
-            word = cutlass.select_(ok, e2m1_pack8(y, False, False), Uint32(0))
+            # (lean: the portable codes by the magic add, the same codes for every float32, NaN and Inf included:
+            # tests/test_lean_quant_cpu.py; the native conversion is one instruction a pair either way)
+            word = cutlass.select_(ok, e2m1_pack8(y, True, False), Uint32(0))
             j = s * LANES_PER_ROW + sub
             if valid:
                 kl.store_u32(codes, Int64(j * CODE_BYTES), word)
