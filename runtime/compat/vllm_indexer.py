@@ -40,7 +40,9 @@ def fused_indexer_q_rope_quant(
     """vLLM's function: new outputs each call, in vLLM's types (FP8 values as float8_e4m3fn; MXFP4 scales as
     one int32 per (token, head), the 4 UE8M0 bytes reinterpreted, as DeepGEMM takes them)."""
     if not isinstance(index_q, torch.Tensor) or index_q.dim() != 3:
-        raise InputError(f"index_q must be a [T, H, D] tensor, got {getattr(index_q, 'shape', type(index_q).__name__)}")
+        raise InputError(
+            f"index_q must be a [T, H, D] tensor, got {getattr(index_q, 'shape', type(index_q).__name__)}"
+        )
     if not use_fp4 and weights_out_dtype != torch.float32:
         raise InputError(f"the FP8 path writes float32 weights (as vLLM's asserts), got {weights_out_dtype}")
     t, h, d = index_q.shape

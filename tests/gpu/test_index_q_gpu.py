@@ -117,7 +117,9 @@ def test_portable_conversions_give_the_native_bytes(fmt):
 
 def test_vllm_function_and_graph_replay():
     cpu, dev = make(64, 64, torch.bfloat16, seed=7)
-    args = tuple(dev[k] for k in ("positions", "q", "cos_sin_cache", "weights", "softmax_scale", "head_scale"))
+    args = tuple(
+        dev[k] for k in ("positions", "q", "cos_sin_cache", "weights", "softmax_scale", "head_scale")
+    )
     (packed, scale_words), w = vllm_indexer.fused_indexer_q_rope_quant(*args, use_fp4=True)
     want = index_q_reference(*cpu.values(), "mxfp4", "vllm")
     assert torch.equal(packed.cpu(), want[0]) and torch.equal(
