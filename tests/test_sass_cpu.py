@@ -315,6 +315,30 @@ def early_cos_sin_loads(variant: str, config: LaunchConfig, kernel: str) -> int:
     return 2 * config.passes_per_warp * per_row
 
 
+@pytest.mark.parametrize(
+    "variant, key",
+    [
+        ("qkv_d512r64_fp8_ds_mla_bf16_sm90", "w4_u1_pdl1_nc1"),  # the H100's tuned qkv config
+        ("kv_d128r64_mxfp4_bf16_sm120", "w4_u2_pdl1_nc1_lq"),
+        ("index_q_d128r64_mxfp4_bf16_sm90", "w4_u1_pdl1_nc1"),
+    ],
+)
+def test_no_non_coherent_row_load_is_issued_before_the_pdl_wait(cache, variant, key):
+    """A non-coherent load (LDG.CONSTANT) may be moved by ptxas above griddepcontrol.wait (ACQBULK), where
+    it reads the previous kernel's rows before that kernel wrote them: with PDL the rows load coherently
+    whatever `non_coherent` says (KernelBase.rows_non_coherent). It was not so: these configs' kernels
+    loaded q / kv rows before the wait, and tests/gpu/test_pdl_gpu.py failed 2 runs in 3 on an H100."""
+    v = parse_name(variant)
+    built = KernelKey(variant, LaunchConfig.from_key(key), v.arch.targets[0])
+    cache.ensure_built(built)
+    cubin = sass_reader.cached_cubin(cache, built)
+    for kernel in artifacts.kernel_symbols(cubin):
+        instrs, labels = sass_reader.disassemble(cubin, kernel)
+        assert any(i.base == "ACQBULK" for i in instrs), kernel
+        early = [i.text for i in sass.before_wait(instrs, labels) if "CONSTANT" in i.opcode]
+        assert not early, (kernel, early)
+
+
 @pytest.mark.parametrize("variant, key", PDL_CASES)
 def test_only_early_inputs_are_read_before_the_pdl_wait(cache, variant, key):
     """What a kernel does before griddepcontrol.wait overlaps the previous kernel, so on every path it

@@ -154,7 +154,7 @@ class Kernel(KernelBase):
             if valid:
                 src = kl.base_address(args.q_in) + (Int64(t) * args.q_in.stride[0] + Int64(h) * HEAD_DIM) * 2
                 for s in range_constexpr(SLOTS):
-                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.rows_non_coherent, self.cfg.streaming)
                 w = args.weights[t, h].to(Float32)
             loaded.append((t, h, valid, ok, tables, frags, w))
         for u in range_constexpr(self.cfg.passes_per_warp):

@@ -287,12 +287,12 @@ class Kernel(KernelBase):
                 src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
                 if valid:
                     for s in range_constexpr(self.slots):
-                        kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+                        kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.rows_non_coherent, self.cfg.streaming)
             else:  # a row past the last reads the last row (a KV pass runs only where there is one): no
                 # predicated loads and zero fills; it stores nothing (its slot is -1)
                 src = kl.base_address(args.kv) + cutlass.select_(valid, Int64(r), Int64(args.slot_mapping.shape[0] - 1)) * args.kv.stride[0] * 2
                 for s in range_constexpr(self.slots):
-                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.rows_non_coherent, self.cfg.streaming)
             slot, ok, position, tables = early[u]
             if const_expr(not tables_early):
                 tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)

@@ -222,7 +222,7 @@ class Kernel(KernelBase):
             frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.q_slots)]
             if valid:
                 for s in range_constexpr(self.q_slots):
-                    kl.load_vector_into(frags[s], src, Int64((s * self.q_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+                    kl.load_vector_into(frags[s], src, Int64((s * self.q_lanes + sub) * VEC * 2), IO_DTYPE, self.rows_non_coherent, self.cfg.streaming)
             live, position, tables = early[u]
             if const_expr(self.cfg.cos_sin_late):
                 tables = self.load_tail_cos_sin(live & ((args.q_flags & NO_ROPE) == 0), position, args.cos_sin_cache, sub, self.q_slots, self.q_lanes)
@@ -313,7 +313,7 @@ class Kernel(KernelBase):
             src = kl.base_address(args.kv) + Int64(r) * args.kv.stride[0] * 2
             if valid:
                 for s in range_constexpr(self.slots):
-                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.cfg.non_coherent, self.cfg.streaming)
+                    kl.load_vector_into(frags[s], src, Int64((s * self.row_lanes + sub) * VEC * 2), IO_DTYPE, self.rows_non_coherent, self.cfg.streaming)
             slot, ok, position, tables = early[u]
             if const_expr(not tables_early):
                 tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.row_lanes)

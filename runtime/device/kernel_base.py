@@ -35,6 +35,14 @@ class KernelBase:
             preferred_smem_carveout=0 if const_expr(self.cfg.min_ctas_per_sm) else None,
         )
 
+    @property
+    def rows_non_coherent(self) -> bool:
+        """ld.global.nc for the rows the previous kernel wrote (q_in, kv) only without PDL: ptxas moves an .nc
+        load (LDG.CONSTANT) above griddepcontrol.wait, where it reads those rows before that kernel's writes
+        (seen in the SASS of w4_u1_pdl1_nc1 and on an H100 by tests/gpu/test_pdl_gpu.py; tests/test_sass_cpu.py
+        checks every PDL config's kernels). With PDL the rows load coherently, as with `streaming`."""
+        return self.cfg.non_coherent and not self.cfg.pdl
+
     @cute.jit
     def wait_for_producer(self):
         """PDL: wait for the previous kernel in the stream (its writes are then visible). A pass may read
