@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from attn_prologue.formats import ElementCode
 from attn_prologue.index_q import MXFP4_BLOCK, MXFP4_FLOOR, IndexQFlag
-from attn_prologue.variants import Variant
+from attn_prologue.variants import IoDtype, Variant
 
 from .plan import VEC, WARP, Argument
 
@@ -51,7 +51,10 @@ def make_index_q_plan(v: Variant) -> dict:
         "mxfp4": mxfp4,
         "block_lanes": MXFP4_BLOCK // VEC,
         "mxfp4_floor": f"float.fromhex({MXFP4_FLOOR.hex()!r})",
-        "numerics_flags": {f.name: int(f) for f in IndexQFlag},
+        # (ROTATED_BF16 changes nothing for bf16 rows: those modules do not read it)
+        "numerics_flags": {
+            f.name: int(f) for f in IndexQFlag if f is not IndexQFlag.ROTATED_BF16 or v.io_dtype is IoDtype.FP16
+        },
         "default_numerics": 0,
         # what conversions/*.jinja read: the E2M1 packing only (no UE8M0 instruction, no lean I/O codes)
         "needs_e2m1": mxfp4,

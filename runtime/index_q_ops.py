@@ -16,7 +16,7 @@ import math
 import torch
 
 from . import overlap
-from .dispatch import MAX_BUCKET_LOG2, Runtime, default_runtime
+from .dispatch import CPU_ERRORS, MAX_BUCKET_LOG2, Runtime, default_runtime
 from .errors import InputError, UnsupportedError
 from .index_q import FORMATS, MXFP4_BLOCK, host_scales, index_q_reference, numerics_bits
 from .torch_op import _library, check_traced, lazy_bits_kernel, refuse_meta
@@ -195,8 +195,6 @@ def _parse(numerics):
 # ---- the torch op -------------------------------------------------------------------------------
 def _cpu(q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales=None,
          fmt="fp8_token", numerics="", checked=True):  # fmt: skip
-    from .dispatch import CPU_ERRORS
-
     check(q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales, fmt)
     codes, scales, w, bad = index_q_reference(
         q,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from . import env, reference
+from . import env, reference, selftest_index_q
 from .errors import AttnPrologueError
 from .formats import FORMATS, ElementCode
 from .jit import compiler
@@ -182,8 +182,6 @@ def run(launcher: Launcher, errors: torch.Tensor, arena: Arena) -> tuple[bool, s
     the reference on the CPU. Allocates nothing on the GPU beyond `arena`."""
     v = launcher.variant
     if v.op is Op.INDEX_Q:
-        from . import selftest_index_q
-
         return selftest_index_q.run(launcher, errors, arena, edge_rows)
     fmt = v.format
     g = torch.Generator().manual_seed(20261129)

@@ -29,6 +29,7 @@ def test_build_covers_every_axis_on_every_target():
             (Op.QKV, QOut.FP8),
             (Op.KV, QOut.IO),
             (Op.KV_NORM, QOut.IO),
+            (Op.INDEX_Q, QOut.IO),
         }
         assert {v.io_dtype for v in vs} == {v.io_dtype for v in variant_space()}
         assert {v.head_dim for v in vs} == {512, 128}

@@ -16,6 +16,12 @@ from attn_prologue.variants import Conversions, Op, QOut, Variant
 
 from .support.build import ENTRIES, ENTRY_IDS, meta_of, ptx_of
 
+# the writers' entries and the indexer Q's (its own outputs and access widths: the index_q tests below)
+WRITERS = [(e, i) for e, i in zip(ENTRIES, ENTRY_IDS) if e[0].op is not Op.INDEX_Q]
+INDEX_Q = [(e, i) for e, i in zip(ENTRIES, ENTRY_IDS) if e[0].op is Op.INDEX_Q]
+WRITER_ENTRIES, WRITER_IDS = [e for e, _ in WRITERS], [i for _, i in WRITERS]
+INDEX_Q_ENTRIES, INDEX_Q_IDS = [e for e, _ in INDEX_Q], [i for _, i in INDEX_Q]
+
 
 # ---- PTX and cubin facts, per entry ----------------------------------------------------------------
 def _tail_slots(plan: dict, split: int = 1) -> int:
@@ -62,7 +68,7 @@ def _widths(meta: dict, prefix: str) -> set[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("v, key", ENTRIES, ids=ENTRY_IDS)
+@pytest.mark.parametrize("v, key", WRITER_ENTRIES, ids=WRITER_IDS)
 def test_global_accesses_are_128_bit(built, v, key):
     meta, ptx = meta_of(built, key), ptx_of(built, key)
     facts = meta["ptx"]
@@ -72,7 +78,7 @@ def test_global_accesses_are_128_bit(built, v, key):
     # norm weights are read before the PDL wait, coherent (ptxas keeps those loads before it)
     assert facts["max_load_bits"] == 128
     scalars = {64} | ({32} if v.format.needs_tensor_scale or v.q_out is QOut.FP8 else set())
-    read_only_rows = cfg.non_coherent and not cfg.streaming
+    read_only_rows = cfg.non_coherent and not cfg.streaming and not cfg.pdl  # (KernelBase.rows_non_coherent)
     assert _widths(meta, "ld.cs") == ({128} if cfg.streaming else set())
     assert _widths(meta, "ld.nc") == ({128} if read_only_rows else set())
     assert ("ld.global.nc." in ptx) == read_only_rows
@@ -95,7 +101,7 @@ def test_global_accesses_are_128_bit(built, v, key):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("v, key", ENTRIES, ids=ENTRY_IDS)
+@pytest.mark.parametrize("v, key", WRITER_ENTRIES, ids=WRITER_IDS)
 def test_native_conversions_only_in_native_modules(built, v, key):
     meta, ptx = meta_of(built, key), ptx_of(built, key)
     native = v.conversions is Conversions.NATIVE
@@ -329,7 +335,7 @@ def test_address_checker_on_small_ptx(case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("v, key", ENTRIES, ids=ENTRY_IDS)
+@pytest.mark.parametrize("v, key", WRITER_ENTRIES, ids=WRITER_IDS)
 def test_token_offsets_are_64_bit(built, v, key):
     ptx = ptx_of(built, key)
     checked, problems = address_problems(ptx)
@@ -345,7 +351,7 @@ _SIGNATURE = re.compile(rb"__call__\((.*?)\)`")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("v, key", ENTRIES, ids=ENTRY_IDS)
+@pytest.mark.parametrize("v, key", WRITER_ENTRIES, ids=WRITER_IDS)
 def test_compiled_function_checks_equal_token_counts(built, v, key):
     """The exported function's argument spec (what TVM-FFI checks before launching): q_in, kv and
     positions of the qkv op share one row-count variable, so a call whose counts differ is refused
@@ -359,3 +365,33 @@ def test_compiled_function_checks_equal_token_counts(built, v, key):
         assert len({dims[b"q_in"], dims[b"slot_mapping"], dims[b"q_out"]}) == 3, spec.group(1)
     else:
         assert dims[b"kv"] != dims[b"positions"], spec.group(1)
+
+
+# ---- the indexer's Q (templates/index_q.py.jinja) ---------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("v, key", INDEX_Q_ENTRIES, ids=INDEX_Q_IDS)
+def test_index_q_accesses(built, v, key):
+    """q rows and cos/sin in 128-bit loads (rows .cs or .nc as the config says, .nc only without PDL),
+    positions 64-bit, weights 16-bit; codes 64-bit (8 e4m3) or 32-bit (8 E2M1), MXFP4 scale bytes,
+    weights_out 32-bit or 16-bit. The E2M1 conversion is native exactly in the native modules, no UE8M0
+    instruction anywhere (the scales come from the float32 bits), e4m3 on every target."""
+    meta, ptx = meta_of(built, key), ptx_of(built, key)
+    cfg, mx = key.config, v.cache_format == "mxfp4"
+    assert _widths(meta, "ld.cs") == ({128} if cfg.streaming else set())
+    assert _widths(meta, "ld.nc") == (
+        {128} if cfg.non_coherent and not cfg.streaming and not cfg.pdl else set()
+    )
+    assert _widths(meta, "ld") == {16, 64, 128}
+    codes = _widths(meta, "st") | _widths(meta, "st.cs")
+    assert codes == ({32, 8, 16} if mx else {64, 32, 16})
+    native = v.conversions is Conversions.NATIVE and mx
+    assert (meta["ptx"]["cvt_e2m1x2"] >= 8) == native and (meta["ptx"]["cvt_e2m1x2"] > 0) == native
+    assert meta["ptx"]["cvt_ue8m0x2"] == 0
+    assert (meta["ptx"]["cvt_e4m3x2"] > 0) == (not mx)
+    checked, problems = address_problems(ptx)
+    assert checked >= 2 and not problems, "\n".join(problems[:10])
+    # q_in, weights, q_out, q_scales, weights_out and positions share the token count
+    spec = _SIGNATURE.search((built.cache.entry_dir(key) / "kernel.so").read_bytes())
+    dims = dict(re.findall(rb"(\w+): Tensor\(\[(\w+)", spec.group(1)))
+    tokens = {dims[n] for n in (b"q_in", b"weights", b"q_out", b"weights_out", b"positions")}
+    assert len(tokens) == 1 and (not mx or dims[b"q_scales"] in tokens), spec.group(1)

@@ -89,7 +89,8 @@ def _assert_same_outside_regions(a: str, b: str):
 
 
 def test_every_shape_has_an_sm90_sm100_and_sm120_module():
-    assert len(SHAPES) == 64 + 8  # + nvfp4_dsv4 (qkv, qkv_q8, kv) and nvfp4_v41 (kv), each bf16 and fp16
+    # + nvfp4_dsv4 (qkv, qkv_q8, kv) and nvfp4_v41 (kv), each bf16 and fp16; + index_q (fp8_token, mxfp4 x 2)
+    assert len(SHAPES) == 64 + 8 + 4
     for shape in SHAPES:
         mods = MODULES[shape]
         assert ("sm90", "portable") in mods and ("sm100", "native") in mods and ("sm120", "native") in mods, (
@@ -105,9 +106,13 @@ PAIRS = [(shape, other) for shape in SHAPES for other in OTHERS if other in MODU
 def test_portable_modules_exist_exactly_for_formats_with_arch_conversions():
     for shape in SHAPES:
         has = {other for other in OTHERS if other in MODULES[shape]}
-        expected = set(OTHERS) if shape[4] in ARCH_CONVERSION_FORMATS else set(OTHERS[:2])
+        expected = (
+            set(OTHERS)
+            if parse_name(MODULES[shape][("sm90", "portable")]).uses_arch_conversions
+            else set(OTHERS[:2])
+        )
         assert has == expected, shape
-    assert len(PAIRS) == 72 * 2 + 40 * 2
+    assert len(PAIRS) == 76 * 2 + 42 * 2
 
 
 ARCH_CONVERSION_FORMATS = {"fp8_ds_mla", "mxfp8", "fp8_token", "mxfp4", "nvfp4_v41", "nvfp4_dsv4"}
@@ -118,6 +123,11 @@ UE8M0_FORMATS = {
     "fp8_token",
     "mxfp4",
 }  # (fp8_token: its float32 2^e is a UE8M0 exponent)
+
+
+def wants_ue8m0(shape) -> bool:
+    """The writers of these formats convert with UE8M0; index_q takes its scales from the float32 bits."""
+    return shape[4] in UE8M0_FORMATS and shape[0] != "index_q"
 
 
 @pytest.mark.parametrize("shape, other", PAIRS, ids=["_".join(map(str, s + o)) for s, o in PAIRS])
@@ -163,12 +173,12 @@ CONVERSION_SHAPES = [s for s in SHAPES if parse_name(MODULES[s][("sm90", "portab
 
 def test_conversion_blocks_are_where_the_format_needs_them():
     assert {s[4] for s in CONVERSION_SHAPES} == ARCH_CONVERSION_FORMATS
-    assert len(CONVERSION_SHAPES) == 40
+    assert len(CONVERSION_SHAPES) == 42
     for shape in SHAPES:
         for name in MODULES[shape].values():
             text = _text(name)
             assert ("# ---- conversions: " in text) == (shape in CONVERSION_SHAPES), name
-            assert ("def ue8m0_byte(" in text) == (shape[4] in UE8M0_FORMATS), name
+            assert ("def ue8m0_byte(" in text) == wants_ue8m0(shape), name
             assert ("def e2m1_pack8(" in text) == (shape[4] in E2M1_FORMATS), name
 
 
@@ -179,7 +189,7 @@ def test_native_conversions_are_the_hardware_ones(shape, family):
     _, native = split_regions(mods[(family, "native")])
     _, sm90 = split_regions(mods[("sm90", "portable")])
     code = code_strings(native["conversions"])  # the inline PTX, not the prose around it
-    assert ("cvt.rp.satfinite.ue8m0x2.f32" in code) == (shape[4] in UE8M0_FORMATS)
+    assert ("cvt.rp.satfinite.ue8m0x2.f32" in code) == wants_ue8m0(shape)
     assert ("cvt.rn.satfinite.e2m1x2.f32" in code) == (shape[4] in E2M1_FORMATS)
     portable = code_strings(sm90["conversions"])
     for ptx in ("cvt.rp.satfinite.ue8m0x2.f32", "cvt.rn.satfinite.e2m1x2.f32"):
@@ -189,7 +199,9 @@ def test_native_conversions_are_the_hardware_ones(shape, family):
     # float32 -> float16x2 cvt
     assert set(re.findall(r"cvt\.[\w.]+", portable)) <= {"cvt.rn.f16x2.f32"}
     assert set(re.findall(r"\b(\w+)\.[\w.]*f16x2", portable)) <= {"cvt", "min", "max", "mul", "fma"}
-    float16_codes = shape[4] in ("mxfp4", "nvfp4_v41") or shape[4:] == ("nvfp4_dsv4", "bf16")
+    float16_codes = shape[0] != "index_q" and (
+        shape[4] in ("mxfp4", "nvfp4_v41") or shape[4:] == ("nvfp4_dsv4", "bf16")
+    )
     assert ("inline_ptx" in sm90["conversions"]) == float16_codes
     assert "conversions: portable" in sm90["conversions"]
     assert ("e2m1" in sm90["conversions"]) == (shape[4] in E2M1_FORMATS)

@@ -30,7 +30,6 @@ ROW_CODE_BYTES = HEAD_DIM * CODE_BYTES // VEC
 # ---- parity choices: bits of the run-time `numerics` argument (attn_prologue.index_q.IndexQFlag) -----
 SEPARATE_SCALES = 1
 INF_SATURATES = 2
-ROTATED_BF16 = 4
 DEFAULT_NUMERICS = 0  # the op's defaults (vLLM's CuTe-DSL kernel): a defaults_only module reads these
 
 # ---- conversions: portable (software E2M1) ----------------------
@@ -191,10 +190,13 @@ class Kernel(KernelBase):
         for u in range_constexpr(self.cfg.passes_per_warp):
             t, h, valid, ok, tables, frags, w = loaded[u]
             if cute.arch.vote_any_sync(valid):
-                self.finish_row(t, h, valid, ok, tables, frags, w, sub, args)
+                self.finish_row(loaded[u], sub, args)
 
     @cute.jit
-    def finish_row(self, t: Int32, h: Int32, valid, ok, tables, frags, w: Float32, sub: Int32, args: Arguments):
+    def finish_row(self, row, sub: Int32, args: Arguments):
+        """One row's lanes (row: its token, head, valid, ok, cos/sin tables, loaded vectors and weight): RoPE,
+        the rounding, the codes and scales, the weight; zeros for a token outside the table."""
+        t, h, valid, ok, tables, frags, w = row
         ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
         for s in range_constexpr(SLOTS):
             ys[s].store(frags[s].load().to(Float32))

@@ -15,7 +15,7 @@ from ..formats import ScaleCode, get_format
 from ..launch import all_configs
 from ..parity import NumericsError
 from ..variants import generated, parse_name
-from . import bench, plots, shape_sets, simulate, targets, tune
+from . import bench, bench_index_q, plots, shape_sets, simulate, targets, tune
 from .provenance import provenance
 from .timing import l2_bytes
 
@@ -49,8 +49,6 @@ def _with_changes(shapes: list, changes: list[tuple[str, object]]) -> tuple[list
 
 def run_bench(args) -> int:
     if args.shapes == "index_q":  # the indexer's Q prologue: its own inputs and bytes
-        from . import bench_index_q
-
         return bench_index_q.run(args)
     origin = provenance()
     shapes = shape_sets.default_shapes(args.shapes)
