@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 from attn_prologue import reference, selftest
+from attn_prologue.index_q import index_q_reference
 from attn_prologue.jit import compiler
 from attn_prologue.jit.kernel_cache import KernelCache
 from attn_prologue.launcher import Launcher
@@ -23,6 +24,19 @@ def reference_kernel(v, corrupt=False):
 
     def fn(*args):
         a = dict(zip(v.arguments, args, strict=True))
+        if v.op.value == "index_q":  # (weights_scale is the scales' product, head_scale 1: the default bits)
+            w_out = a["weights_out"].view(torch.float32)
+            codes, scales, w, _ = index_q_reference(
+                a["q_in"], a["positions"], a["cos_sin_cache"], a["weights"], a["weights_scale"], a["head_scale"],
+                v.cache_format, a["numerics"], w_out.dtype,
+            )  # fmt: skip
+            a["q_out"].copy_(codes)
+            w_out.copy_(w)
+            if scales is not None:
+                a["q_scales"].copy_(scales)
+            if corrupt:
+                a["q_out"].view(-1)[7] ^= 1
+            return
         if v.op.has_q:
             q_out = a["q_out"].view(torch.float8_e4m3fn) if v.q_out is QOut.FP8 else a["q_out"]
             reference.qnorm_rope_kv_insert(
@@ -46,6 +60,8 @@ SAMPLE = [
     "kv_norm_d128r64_mxfp4_bf16_sm120",
     "kv_d128r64_fp8_token_fp16_sm120",
     "kv_d512r64_fp8_tensor_bf16_sm120",
+    "index_q_d128r64_mxfp4_bf16_sm120",
+    "index_q_d128r64_fp8_token_fp16_sm100",
 ]
 
 
@@ -61,7 +77,7 @@ def test_run_passes_a_correct_kernel_and_catches_one_wrong_byte(name):
     ok, detail = selftest.run(
         Launcher(v, v.arch.default_config, "sm_120f", 0, reference_kernel(v, corrupt=True), 1), errors, arena
     )
-    assert not ok and "1 cache bytes" in detail
+    assert not ok and ("1 output bytes" if v.op.value == "index_q" else "1 cache bytes") in detail
 
 
 def test_edge_rows_cover_the_conversions_edges():
