@@ -53,7 +53,9 @@ def make_index_q_plan(v: Variant) -> dict:
         "mxfp4_floor": f"float.fromhex({MXFP4_FLOOR.hex()!r})",
         # (ROTATED_BF16 changes nothing for bf16 rows: those modules do not read it)
         "numerics_flags": {
-            f.name: int(f) for f in IndexQFlag if f is not IndexQFlag.ROTATED_BF16 or v.io_dtype is IoDtype.FP16
+            f.name: int(f)
+            for f in IndexQFlag
+            if f is not IndexQFlag.ROTATED_BF16 or v.io_dtype is IoDtype.FP16
         },
         "default_numerics": 0,
         # what conversions/*.jinja read: the E2M1 packing only (no UE8M0 instruction, no lean I/O codes)

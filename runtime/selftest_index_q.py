@@ -53,5 +53,8 @@ def run(launcher: Launcher, errors: torch.Tensor, arena, edge_rows) -> tuple[boo
     if mx:
         bad += int((scales.cpu() != want_scales).sum())
     if bad:
-        return False, f"{bad} output bytes or weights differ from the reference (q codes, scales, weights_out)"
+        return (
+            False,
+            f"{bad} output bytes or weights differ from the reference (q codes, scales, weights_out)",
+        )
     return True, f"bit-exact against the reference ({TOKENS * HEADS} rows, {len(edges)} of them edge cases)"
