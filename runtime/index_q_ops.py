@@ -17,9 +17,10 @@ import torch
 
 from . import overlap
 from .dispatch import CPU_ERRORS, MAX_BUCKET_LOG2, Runtime, default_runtime
-from .errors import InputError, UnsupportedError
+from .errors import UnsupportedError
 from .index_q import FORMATS, MXFP4_BLOCK, host_scales, index_q_reference, numerics_bits
 from .torch_op import _library, check_traced, lazy_bits_kernel, refuse_meta
+from .validate import _check_tensor, _fail
 from .variants import INDEX_Q_HEAD_DIMS, Conversions, IoDtype, Op, Request
 
 SCHEMA = (
@@ -30,21 +31,14 @@ SCHEMA = (
 ROPE_DIM = 64  # the generated (D, R) is (128, 64): R is what the cos/sin table's width must be
 
 
-def _fail(msg: str):
-    raise InputError(msg)
-
-
 def _rows(name: str, t, shape: tuple, dtypes: tuple, device) -> None:
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.device != device:
-        _fail(f"{name} is on {t.device}, expected {device} (every tensor on one device)")
+    _check_tensor(name, t, device)  # on the call's device, without a lazy negation or conjugation
     if t.dtype not in dtypes:
         _fail(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
     if tuple(t.shape) != shape:
         _fail(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.is_neg() or t.is_conj():
-        _fail(f"{name} is a lazily negated or conjugated view: pass .resolve_neg() / .resolve_conj()")
 
 
 def _inner(name: str, t: torch.Tensor, align: int) -> None:
@@ -129,61 +123,47 @@ def index_q_rope_quant(
         )  # fmt: skip
         return
     rt = runtime or default_runtime()
-    key = None
-    calls = None
+    key = shape = None
     try:
         key = (Op.INDEX_Q, q.device, q.dtype, tuple(q.shape[1:]), fmt, weights_out.dtype, q_out.dtype,
                numerics, checked, config, conversions)  # fmt: skip
-        calls = rt.calls.get(key)
+        shape = rt.calls.get(key)
     except (AttributeError, TypeError):
         pass
     request = check(
         q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales, fmt
     )
-    bits = numerics_bits(_parse(numerics), request.io_dtype.value)
-    if calls is None:
-        if conversions is not None:
-            request = Request(**{**request.__dict__, "conversions": Conversions(conversions)})
-        launchers = rt.launchers(
-            request, q.device, heads=q.shape[1], written=q.shape[1], config=config, numerics=bits
-        )
-        lead = ("q_in", "weights", "q_out", *(("q_scales",) if q_scales is not None else ()), "weights_out")
-        lead += ("positions", "cos_sin_cache")
-        ws, hs = host_scales(softmax_scale, head_scale, bits)
-        calls = tuple(
-            (
-                la.fn,
-                la.tail(
-                    lead,
-                    errors=rt.errors_buffer(q.device),
-                    weights_scale=ws,
-                    head_scale=hs,
-                    weights_bf16=int(weights_out.dtype == torch.bfloat16),
-                    numerics=bits,
-                    checked=int(bool(checked)),
-                ),
-            )  # fmt: skip
-            for la in launchers
-        )
+    if shape is None:
+        shape = _shape_calls(rt, request, q, weights_out, q_scales, numerics, checked, config, conversions)
         if key is not None:
-            rt.calls[key] = calls
+            rt.calls[key] = shape
     n = q.shape[0]
     if n == 0:
         return
+    bits, errors, calls = shape
     fn, tail = calls[min((n - 1).bit_length(), MAX_BUCKET_LOG2)]
+    # the scales are per call; every other argument is the shape's
     ws, hs = host_scales(softmax_scale, head_scale, bits)
-    tail = (tail[0], ws, hs, *tail[3:])  # the scales are per call (the rest per shape)
     scales = () if q_scales is None else (q_scales.view(torch.uint8),)
-    fn(
-        q,
-        weights,
-        q_out.view(torch.uint8),
-        *scales,
-        weights_out.view(torch.uint8),
-        positions,
-        cos_sin_cache,
-        *tail,
+    fn(q, weights, q_out.view(torch.uint8), *scales, weights_out.view(torch.uint8), positions, cos_sin_cache,
+       errors, ws, hs, *tail)  # fmt: skip
+
+
+def _shape_calls(rt, request, q, weights_out, q_scales, numerics, checked, config, conversions) -> tuple:
+    """What a shape's calls share: the numerics bits, the error counters and, per token-count bucket, the
+    kernel and its arguments after head_scale (the scales come with each call)."""
+    bits = numerics_bits(_parse(numerics), request.io_dtype.value)
+    if conversions is not None:
+        request = Request(**{**request.__dict__, "conversions": Conversions(conversions)})
+    launchers = rt.launchers(
+        request, q.device, heads=q.shape[1], written=q.shape[1], config=config, numerics=bits
     )
+    lead = ("q_in", "weights", "q_out", *(("q_scales",) if q_scales is not None else ()), "weights_out",
+            "positions", "cos_sin_cache", "errors", "weights_scale", "head_scale")  # fmt: skip
+    values = dict(
+        weights_bf16=int(weights_out.dtype == torch.bfloat16), numerics=bits, checked=int(bool(checked))
+    )
+    return bits, rt.errors_buffer(q.device), tuple((la.fn, la.tail(lead, **values)) for la in launchers)
 
 
 def _parse(numerics):

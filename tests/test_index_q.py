@@ -11,9 +11,12 @@ import attn_prologue as ap
 import pytest
 import torch
 from attn_prologue.compat import vllm_indexer
+from attn_prologue.dispatch import MAX_BUCKET_LOG2
 from attn_prologue.errors import InputError, UnsupportedError
 from attn_prologue.index_q import IndexQFlag, index_q_reference, numerics_bits, rotate
+from attn_prologue.launcher import Launcher
 from attn_prologue.parity import NumericsError
+from attn_prologue.variants import parse_name
 
 D, R = 128, 64
 
@@ -287,3 +290,49 @@ def test_mxfp4_needs_its_scales():
     codes, w, _ = outputs(6, 8, "mxfp4")
     with pytest.raises(InputError, match="q_scales must be a tensor"):
         ap.index_q_rope_quant(**a, q_out=codes, weights_out=w, fmt="mxfp4")
+
+
+class StandInRuntime:
+    """A runtime whose launchers run the reference in the compiled argument order (the kernel path's
+    plumbing on the CPU: argument order, per-call scales, the shape's cached calls)."""
+
+    def __init__(self):
+        self.calls, self.seen = {}, []
+
+    def errors_buffer(self, device):
+        return torch.zeros(2, dtype=torch.int32)
+
+    def launchers(self, request, device, **kw):
+        v = parse_name(f"index_q_d128r64_{request.cache_format}_{request.io_dtype.value}_sm90")
+
+        def fn(*args):
+            a = dict(zip(v.arguments, args, strict=True))
+            self.seen.append(a)
+            codes, scales, w, _ = index_q_reference(
+                a["q_in"], a["positions"], a["cos_sin_cache"], a["weights"], a["weights_scale"], a["head_scale"],
+                v.cache_format, a["numerics"], torch.float32,
+            )  # fmt: skip
+            a["q_out"].copy_(codes)
+            a["weights_out"].view(torch.float32).copy_(w)
+            if scales is not None:
+                a["q_scales"].copy_(scales)
+
+        return tuple(
+            Launcher(v, v.arch.default_config, "sm_90a", 0, fn, 1) for _ in range(MAX_BUCKET_LOG2 + 1)
+        )
+
+
+@pytest.mark.parametrize("fmt, numerics", [("fp8_token", None), ("mxfp4", "vllm-triton")])
+def test_the_kernel_path_passes_each_call_its_scales(fmt, numerics):
+    a = inputs()
+    rt = StandInRuntime()
+    for softmax in (0.088, 0.5):  # the second call reuses the shape's calls with other scales
+        codes, w, scales = outputs(6, 8, fmt)
+        call = {**a, "softmax_scale": softmax}
+        ap.index_q_rope_quant(
+            **call, q_out=codes, weights_out=w, q_scales=scales, fmt=fmt, numerics=numerics, runtime=rt
+        )
+        want = index_q_reference(*call.values(), fmt, numerics)
+        assert torch.equal(codes, want[0]) and torch.equal(w, want[2])
+        assert scales is None or torch.equal(scales, want[1])
+    assert len(rt.calls) == 1 and len(rt.seen) == 2

@@ -212,7 +212,12 @@ def _positions(shape: Shape, max_pos: int, g) -> torch.Tensor:
 
 
 def sets_for_cold_l2(shape: Shape) -> int:
-    return max(2, min(64, (3 * l2_bytes()) // max(1, shape.min_bytes()) + 1))
+    return sets_for_bytes(shape.min_bytes())
+
+
+def sets_for_bytes(nbytes: int) -> int:
+    """Input sets of nbytes each that together overflow the L2 (three times over): every call reads cold."""
+    return max(2, min(64, (3 * l2_bytes()) // max(1, nbytes) + 1))
 
 
 def call_args(shape: Shape, s: dict) -> tuple[tuple, dict]:

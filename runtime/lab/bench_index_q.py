@@ -9,6 +9,7 @@ import json
 import torch
 
 from .. import index_q_ops
+from .bench import sets_for_bytes
 from .provenance import provenance
 from .timing import copy_time_us, graph_time_us, l2_bytes
 
@@ -47,7 +48,7 @@ def input_sets(t: int, fmt: str, sets: int) -> list[dict]:
 
 def run_one(t: int, fmt: str, replays: int) -> dict:
     nbytes = min_bytes(t, fmt)
-    nsets = max(2, min(64, 3 * l2_bytes() // nbytes + 1))  # the sets together overflow L2: cold reads
+    nsets = sets_for_bytes(nbytes)
     sets = input_sets(t, fmt, nsets)
     calls = max(nsets, 20)
     fns = [functools.partial(index_q_ops.index_q_rope_quant, **s) for s in sets]
