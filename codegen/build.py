@@ -84,7 +84,7 @@ def folded_bits(v: Variant, numerics: Iterable[str]) -> set[int]:
     for spec in numerics:
         try:
             if v.op is Op.INDEX_Q:
-                out.add(index_q.numerics_bits(spec, v.io_dtype.value))
+                out.add(index_q.numerics_bits(spec, v.io_dtype.value, v.cache_format))
             else:
                 out.add(v.format.numerics_flags(spec))
         except NumericsError:  # a preset or field this variant lacks: nothing to fold for it

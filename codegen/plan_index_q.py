@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from attn_prologue import index_q_hadamard as hq
 from attn_prologue.formats import ElementCode
-from attn_prologue.index_q import MXFP4_BLOCK, MXFP4_FLOOR, IndexQFlag
+from attn_prologue.index_q import FP8_FLOOR, MXFP4_BLOCK, MXFP4_FLOOR, IndexQFlag
 from attn_prologue.variants import IoDtype, Variant
 
 from .plan import VEC, WARP, Argument
@@ -39,6 +40,12 @@ def _signature(v: Variant, mxfp4: bool) -> list[Argument]:
     return [out[name] for name in v.arguments]
 
 
+def _unread_flags(v: Variant, mxfp4: bool) -> set:
+    f = IndexQFlag
+    unread = {f.FP8_LINEAR_SCALE, f.FP8_UNSCALED} if mxfp4 else {f.INF_INVERSE_ZERO}
+    return unread | ({f.ROTATED_BF16} if v.io_dtype is IoDtype.BF16 else set())
+
+
 def make_index_q_plan(v: Variant) -> dict:
     mxfp4 = v.format.element is ElementCode.E2M1
     lanes = v.head_dim // (2 * VEC)  # two vectors a lane: j and j + lanes
@@ -51,13 +58,18 @@ def make_index_q_plan(v: Variant) -> dict:
         "mxfp4": mxfp4,
         "block_lanes": MXFP4_BLOCK // VEC,
         "mxfp4_floor": f"float.fromhex({MXFP4_FLOOR.hex()!r})",
-        # (ROTATED_BF16 changes nothing for bf16 rows: those modules do not read it)
-        "numerics_flags": {
-            f.name: int(f)
-            for f in IndexQFlag
-            if f is not IndexQFlag.ROTATED_BF16 or v.io_dtype is IoDtype.FP16
-        },
+        # the bits a module reads: ROTATED_BF16 changes nothing for bf16 rows, each format has its own
+        "numerics_flags": {f.name: int(f) for f in IndexQFlag if f not in _unread_flags(v, mxfp4)},
         "default_numerics": 0,
+        # the scales' amax floor (fp8; both formats under HADAMARD) and the Hadamard transform's facts
+        "constants": {
+            "FP8_FLOOR": f"{FP8_FLOOR!r}  # fl32: 0x38D1B717",
+            **({"HADAMARD_FLOOR": "FP8_FLOOR"} if mxfp4 else {}),
+            "HADAMARD_SCALE": f"float.fromhex({hq.HADAMARD_SCALE.item().hex()!r})  # fl32(128 ** -0.5)",
+            "NATURAL_STAGES": repr(hq.NATURAL_STAGES) + "  # the butterflies' index bits, in order",
+            "TRITON_SM90_STAGES": repr(hq.TRITON_SM90_STAGES),
+            "TRITON_SM100_STAGES": repr(hq.TRITON_SM100_STAGES),
+        },
         # what conversions/*.jinja read: the E2M1 packing only (no UE8M0 instruction, no lean I/O codes)
         "needs_e2m1": mxfp4,
         "needs_ue8m0": False,

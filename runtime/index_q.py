@@ -19,6 +19,7 @@ import enum
 
 import torch
 
+from . import index_q_hadamard as hq
 from . import numerics as nx
 from .errors import did_you_mean
 from .parity import NumericsError
@@ -42,28 +43,74 @@ class IndexQFlag(enum.IntFlag):
     INF_SATURATES = 2
     # the rotated values rounded through bf16 whatever the I/O dtype (vLLM's Triton kernel on fp16 rows)
     ROTATED_BF16 = 4
+    # The Hadamard engines (SGLang, TokenSpeed; index_q_hadamard.py). After RoPE every row is rotated by the
+    # natural-order 128-point Walsh-Hadamard transform (radix-2 butterflies, strides 1..64), times
+    # fl(128^-0.5), rounded through bf16; the scale's amax floor is 1e-4 in both formats and its quotient a
+    # division (amax / 448, amax / 6); E2M1 codes round ties toward zero and never store -0.
+    HADAMARD = 8
+    TRITON_SM100_SUMS = (
+        16  # the transform's sums in TokenSpeed's Triton order on sm_100 (TRITON_SM100_STAGES)
+    )
+    TRITON_SM90_SUMS = 32  # ... on sm_90 (TRITON_SM90_STAGES); with TRITON_SM100_SUMS the latter wins
+    ROPE_EVEN_FUSED = 64  # the odd term is fma(e, s, o*c) (SGLang), not fma(o, c, e*s)
+    ROPE_UNFUSED = 128  # e*c - o*s and e*s + o*c, each product rounded (TokenSpeed's eager torch FP8 path)
+    NOPE_ROTATED = 256  # the unrotated pairs go through the rotation with cos 1, sin 0 (TokenSpeed's Triton)
+    UNROUNDED = 512  # no bf16 rounding after RoPE or after the transform: fp32 to the codes (SGLang FP8)
+    # fp8: s = max(amax, 1e-4) / 448, not a power of two; codes RN(x * RN(1 / s)) clipped to +-448 (NaN to
+    # +448); weights_out carries s (SGLang)
+    FP8_LINEAR_SCALE = 1024
+    FP8_UNSCALED = (
+        2048  # fp8: no scale, the codes are the values' e4m3 (weights_out carries none; TokenSpeed)
+    )
+    # mxfp4 with INF_SATURATES: the saturated block's inverse is 0, not 2^-127 (TokenSpeed's ex2.approx.ftz)
+    INF_INVERSE_ZERO = 4096
 
 
-# Engine presets: (bits, I/O dtypes the engine's kernel takes, what it equals)
+# Engine presets: (bits per format, I/O dtypes the engine's kernel takes, what it equals)
 VLLM_SOURCE = "vllm 0.33.0 / 0.34.0, vllm/models/deepseek_v4"
-PRESETS: dict[str, tuple[int, tuple[str, ...], str]] = {
+_F = IndexQFlag
+_TRITON = _F.SEPARATE_SCALES | _F.INF_SATURATES | _F.ROTATED_BF16
+PRESETS: dict[str, tuple[dict[str, int], tuple[str, ...], str]] = {
     "vllm": (
-        0,
+        {"fp8_token": 0, "mxfp4": 0},
         ("bf16",),
         f"{VLLM_SOURCE}/nvidia/ops/fused_indexer_q_cutedsl.py (IndexerQFp8Kernel, IndexerQMxFp4Kernel): "
         "the CUDA default; bf16 rows only",
     ),
     "vllm-triton": (
-        IndexQFlag.SEPARATE_SCALES | IndexQFlag.INF_SATURATES | IndexQFlag.ROTATED_BF16,
+        {"fp8_token": _TRITON, "mxfp4": _TRITON},
         ("bf16", "fp16"),
         f"{VLLM_SOURCE}/common/ops/fused_indexer_q.py (FusedIndexerQRope*TritonKernel): vLLM's fallback",
+    ),
+    "sglang": (
+        {
+            "fp8_token": _F.HADAMARD | _F.ROPE_EVEN_FUSED | _F.UNROUNDED | _F.FP8_LINEAR_SCALE,
+            "mxfp4": _F.HADAMARD | _F.ROPE_EVEN_FUSED,
+        },
+        ("bf16",),
+        "sglang 0.5.23, sglang/kernels/jit/csrc/deepseek_v4/main_norm_rope.cuh (fused_q_indexer_rope_hadamard_quant "
+        "and its FP4 twin)",
+    ),
+    "tokenspeed": (
+        {
+            "fp8_token": _F.HADAMARD | _F.ROPE_UNFUSED | _F.FP8_UNSCALED | _F.SEPARATE_SCALES,
+            "mxfp4": _F.HADAMARD
+            | _F.TRITON_SM100_SUMS
+            | _F.NOPE_ROTATED
+            | _F.INF_SATURATES
+            | _F.INF_INVERSE_ZERO
+            | _F.SEPARATE_SCALES,
+        },
+        ("bf16",),
+        "tokenspeed-kernel 0.1.4: MXFP4 its Triton dsv4_fused_indexer_q_rope_hadamard_mxfp4 (the sums in its "
+        "sm_100 order), FP8 the engine's torch path with fast_hadamard_transform",
     ),
 }
 
 
-def numerics_bits(numerics, io_dtype: str = "bf16") -> int:
+def numerics_bits(numerics, io_dtype: str = "bf16", fmt: str = "fp8_token") -> int:
     """The kernels' `numerics` bits for None (the defaults: vLLM's CuTe-DSL kernel), a preset name
-    ("vllm", "preset=vllm-triton"; any case), or bits given as an int."""
+    ("vllm", "preset=sglang"; any case; its bits for format `fmt`), or bits given as an int."""
     if numerics is None:
         return 0
     if isinstance(numerics, bool) or not isinstance(numerics, (int, str)):
@@ -78,11 +125,13 @@ def numerics_bits(numerics, io_dtype: str = "bf16") -> int:
             f"no index-Q preset {numerics!r}{did_you_mean(name, list(PRESETS))}; presets: {', '.join(PRESETS)}"
         )
     bits, dtypes, _ = PRESETS[name]
+    if fmt not in bits:
+        raise NumericsError(f"no index-Q format {fmt!r}{did_you_mean(fmt, list(FORMATS))}")
     if io_dtype not in dtypes:
         raise NumericsError(
             f"preset {name} is defined for {'/'.join(dtypes)} rows (its engine's kernel takes no {io_dtype})"
         )
-    return int(bits)
+    return int(bits[fmt])
 
 
 def host_scales(softmax_scale: float, head_scale: float, bits: int) -> tuple[float, float]:
@@ -113,18 +162,77 @@ def rotate(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
     c, s = cs[:, None, : r // 2], cs[:, None, r // 2 :]
     e, o = x[..., d - r :: 2], x[..., d - r + 1 :: 2]
     c, s = c.expand_as(e), s.expand_as(e)
-    re = nx.fma_f32(e, c, -(o * s))
-    ro = nx.fma_f32(o, c, e * s)
-    rounding = torch.bfloat16 if bits & IndexQFlag.ROTATED_BF16 else q.dtype
-    x[..., d - r :: 2] = nx.round_through(re, rounding)
-    x[..., d - r + 1 :: 2] = nx.round_through(ro, rounding)
+    if bits & IndexQFlag.ROPE_UNFUSED:  # eager fp32: each product and the sum rounded
+        re, ro = e * c - o * s, e * s + o * c
+    else:
+        re = nx.fma_f32(e, c, -(o * s))
+        ro = nx.fma_f32(e, s, o * c) if bits & IndexQFlag.ROPE_EVEN_FUSED else nx.fma_f32(o, c, e * s)
+    if not bits & IndexQFlag.UNROUNDED:
+        rounding = torch.bfloat16 if bits & IndexQFlag.ROTATED_BF16 else q.dtype
+        re, ro = nx.round_through(re, rounding), nx.round_through(ro, rounding)
+    x[..., d - r :: 2], x[..., d - r + 1 :: 2] = re, ro
+    if bits & IndexQFlag.NOPE_ROTATED:  # cos 1, sin 0: e - o*0 and o + e*0 (signed zeros, NaN, Inf change)
+        e, o = x[..., : d - r : 2].clone(), x[..., 1 : d - r : 2].clone()
+        x[..., : d - r : 2], x[..., 1 : d - r : 2] = e + -(o * 0.0), o + e * 0.0
     return x
 
 
-def _exponent_field(amax: torch.Tensor, floor: float, fp_max: float) -> torch.Tensor:
-    """ceil(log2(fl(max(amax, floor) * fl(1/fp_max)))) + 127 from the float32 bits: 255 for an Inf amax."""
-    r = torch.maximum(amax, _f32(floor)) * _f32(1.0 / fp_max)
+def hadamard(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Step 1b (HADAMARD): the transform in the bits' stage order, times fl(128^-0.5), through bf16 unless
+    UNROUNDED; x itself without HADAMARD."""
+    if not bits & IndexQFlag.HADAMARD:
+        return x
+    stages = hq.NATURAL_STAGES
+    if bits & IndexQFlag.TRITON_SM90_SUMS:
+        stages = hq.TRITON_SM90_STAGES
+    if bits & IndexQFlag.TRITON_SM100_SUMS:
+        stages = hq.TRITON_SM100_STAGES
+    y = hq.fwht_f32(x, stages) * hq.HADAMARD_SCALE
+    return y if bits & IndexQFlag.UNROUNDED else nx.round_through(y, torch.bfloat16)
+
+
+def _exponent_field(amax: torch.Tensor, floor: float, fp_max: float, divide: bool = False) -> torch.Tensor:
+    """ceil(log2(fl(max(amax, floor) * fl(1/fp_max)))) + 127 from the float32 bits (with `divide`, of
+    fl(max(amax, floor) / fp_max)): 255 for an Inf amax."""
+    m = torch.maximum(amax, _f32(floor))
+    r = m / _f32(fp_max) if divide else m * _f32(1.0 / fp_max)
     return (r.view(torch.int32).to(torch.int64) + 0x7FFFFF) >> 23
+
+
+def _fp8(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes, the row's scale p that weights_out carries) of rows x [T, H, D]."""
+    if bits & IndexQFlag.FP8_UNSCALED:
+        return nx.e4m3_bytes(x), torch.ones(x.shape[:-1])
+    amax = nx.nan_ignoring_amax(x)
+    if bits & IndexQFlag.FP8_LINEAR_SCALE:
+        s = torch.maximum(amax, _f32(FP8_FLOOR)) / _f32(nx.E4M3_MAX)
+        v = x * (1.0 / s)[..., None]
+        v = torch.where(torch.isnan(v), torch.full_like(v, nx.E4M3_MAX), v.clamp(-nx.E4M3_MAX, nx.E4M3_MAX))
+        return nx.e4m3_bytes(v), s
+    e = _exponent_field(amax, FP8_FLOOR, nx.E4M3_MAX, bool(bits & IndexQFlag.HADAMARD))
+    inv = _pow2_from_field(254 - e)
+    if bits & IndexQFlag.INF_SATURATES:
+        inv = torch.where(e == 255, torch.zeros_like(inv), inv)
+    return nx.e4m3_bytes(x * inv[..., None]), _pow2_from_field(e)
+
+
+def _mxfp4(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed E2M1 codes [T, H, D/2], UE8M0 bytes [T, H, D/32]) of rows x [T, H, D]."""
+    t, h, d = x.shape
+    blocks = x.reshape(t, h, d // MXFP4_BLOCK, MXFP4_BLOCK)
+    hadamard_rule = bool(bits & IndexQFlag.HADAMARD)
+    floor = FP8_FLOOR if hadamard_rule else MXFP4_FLOOR
+    e = _exponent_field(nx.nan_ignoring_amax(blocks), floor, nx.E2M1_MAX, hadamard_rule)
+    inv = _pow2_from_field(254 - e)  # 2^(127 - e); -Inf for an Inf block (e = 255)
+    if (
+        bits & IndexQFlag.INF_SATURATES
+    ):  # ceil(log2) clamped to 127, and 1 / 2^127 the subnormal 2^-127 (or 0)
+        e = e.clamp(max=254)
+        top = 0.0 if bits & IndexQFlag.INF_INVERSE_ZERO else 2.0**-127
+        inv = torch.where(e == 254, _f32(top), _pow2_from_field(254 - e))
+    y = blocks * inv[..., None]
+    c = (hq.e2m1_codes_toward_zero(y) if hadamard_rule else nx.e2m1_codes(y)).reshape(t, h, d)
+    return c[..., 0::2] | (c[..., 1::2] << 4), e.to(torch.uint8)
 
 
 def index_q_reference(
@@ -143,35 +251,21 @@ def index_q_reference(
     if fmt not in FORMATS:
         raise NumericsError(f"no index-Q format {fmt!r}{did_you_mean(fmt, list(FORMATS))}")
     io = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype, "bf16")
-    bits = numerics_bits(numerics, io)
+    bits = numerics_bits(numerics, io, fmt)
     t, h, d = q.shape
-    x = rotate(q, positions, cos_sin_cache, bits)
+    x = hadamard(rotate(q, positions, cos_sin_cache, bits), bits)
     bad_token = (positions.long() < 0) | (positions.long() >= cos_sin_cache.shape[0])
     bad = bad_token[:, None].expand(t, h)
     w = weights.to(torch.float32)
     s1, s2 = (_f32(v) for v in host_scales(softmax_scale, head_scale, bits))
-    saturate = bool(bits & IndexQFlag.INF_SATURATES)
     if fmt == "fp8_token":
-        e = _exponent_field(nx.nan_ignoring_amax(x), FP8_FLOOR, nx.E4M3_MAX)
-        p = _pow2_from_field(e)
-        inv = _pow2_from_field(254 - e)
-        if saturate:
-            inv = torch.where(e == 255, torch.zeros_like(inv), inv)
-        codes = nx.e4m3_bytes(x * inv[..., None])
-        w_out = (w * p * s1 * s2) if bits & IndexQFlag.SEPARATE_SCALES else (w * s1) * p
+        codes, p = _fp8(x, bits)
         scales = None
     else:
-        blocks = x.reshape(t, h, d // MXFP4_BLOCK, MXFP4_BLOCK)
-        e = _exponent_field(nx.nan_ignoring_amax(blocks), MXFP4_FLOOR, nx.E2M1_MAX)
-        inv = _pow2_from_field(254 - e)  # 2^(127 - e); -Inf for an Inf block (e = 255)
-        if saturate:  # ceil(log2) clamped to 127, and 1 / 2^127 the subnormal 2^-127
-            e = e.clamp(max=254)
-            inv = torch.where(e == 254, _f32(2.0**-127), _pow2_from_field(254 - e))
-        c = nx.e2m1_codes(blocks * inv[..., None]).reshape(t, h, d)
-        codes = c[..., 0::2] | (c[..., 1::2] << 4)
-        scales = e.to(torch.uint8)
-        w_out = (w * s1) * s2
+        codes, scales = _mxfp4(x, bits)
+        p = torch.ones(t, h)
         scales = torch.where(bad[..., None], torch.zeros_like(scales), scales)
+    w_out = (w * p * s1 * s2) if bits & IndexQFlag.SEPARATE_SCALES else (w * s1) * p
     w_out = nx.round_through(w_out, weights_out_dtype).to(weights_out_dtype)
     codes = torch.where(bad[..., None], torch.zeros_like(codes), codes)
     w_out = torch.where(bad, torch.zeros_like(w_out), w_out)

@@ -49,19 +49,29 @@ def _signs() -> torch.Tensor:
     return 1.0 - 2.0 * par.to(torch.float32)
 
 
-def fwht_f32(x: torch.Tensor) -> torch.Tensor:
-    """Radix-2 fast Walsh-Hadamard transform in fp32, strides 1, 2, 4, ..., 64; each butterfly writes
-    (lo + hi, lo - hi). SGLang: 2 in-lane stages then shfl_xor masks 1..16 (element strides 4..64), lane with
-    the mask bit takes other - own (sg main_norm_rope.cuh:808-829, 1025-1046). fast_hadamard_transform
-    (Dao-AILab design, ts-engine's choice on NVIDIA, ts ops/transform/faster_hadamard_transform) runs the
-    same stages; fp32 add/sub is commutative, so every such schedule gives these bits. Unscaled."""
+# The transform's butterfly stages, each named by the index bit its pairs differ in (stride 2^bit).
+NATURAL_STAGES = (0, 1, 2, 3, 4, 5, 6)
+# The orders of triton_hadamard_sum's trees as butterfly stages (i = w + 4k): sm90 pairs k's bits 0..4 (i's
+# bits 2..6) and then the warps (i's bits 1, 0); sm100 first k's bits 1..4 (the even and odd trees), then
+# k's bit 0, then the warps. A tree of +-x_i grouped bit by bit is the transform with its stages in that
+# order: the same fp32 additions, but for the sign of an exact zero sum (no E2M1 code shows it).
+TRITON_SM90_STAGES = (2, 3, 4, 5, 6, 1, 0)
+TRITON_SM100_STAGES = (3, 4, 5, 6, 2, 1, 0)
+
+
+def fwht_f32(x: torch.Tensor, stages: tuple[int, ...] = NATURAL_STAGES) -> torch.Tensor:
+    """Radix-2 fast Walsh-Hadamard transform in fp32, one stage per bit of `stages` (natural: strides 1, 2,
+    4, ..., 64); each butterfly writes (lo + hi, lo - hi). SGLang: 2 in-lane stages then shfl_xor masks 1..16
+    (element strides 4..64), lane with the mask bit takes other - own (sg main_norm_rope.cuh:808-829,
+    1025-1046). fast_hadamard_transform (Dao-AILab design, ts-engine's choice on NVIDIA, ts
+    ops/transform/faster_hadamard_transform) runs the same stages; fp32 add/sub is commutative, so every such
+    schedule gives these bits. Unscaled."""
     n = x.shape[-1]
-    h = 1
-    while h < n:
+    for bit in stages:
+        h = 1 << bit
         y = x.reshape(*x.shape[:-1], n // (2 * h), 2, h)
         lo, hi = y[..., 0, :], y[..., 1, :]
         x = torch.stack((lo + hi, lo - hi), dim=-2).reshape(*x.shape[:-1], n)
-        h *= 2
     return x
 
 

@@ -152,7 +152,7 @@ def index_q_rope_quant(
 def _shape_calls(rt, request, q, weights_out, q_scales, numerics, checked, config, conversions) -> tuple:
     """What a shape's calls share: the numerics bits, the error counters and, per token-count bucket, the
     kernel and its arguments after head_scale (the scales come with each call)."""
-    bits = numerics_bits(_parse(numerics), request.io_dtype.value)
+    bits = numerics_bits(_parse(numerics), request.io_dtype.value, request.cache_format)
     if conversions is not None:
         request = Request(**{**request.__dict__, "conversions": Conversions(conversions)})
     launchers = rt.launchers(

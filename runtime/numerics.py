@@ -275,3 +275,20 @@ def quotient_by_constant(amax: torch.Tensor, c: float) -> torch.Tensor:
     r = torch.full_like(amax, 1.0 / c)
     q0 = amax * r
     return torch.fmin(quotient_by_reciprocal(amax, torch.full_like(amax, c), r), q0 * 2.0)
+
+
+def e2m1_codes_ties_down_by_magic(y: torch.Tensor) -> torch.Tensor:
+    """The Hadamard engines' E2M1 codes (ties toward zero, no -0; index_q_hadamard.e2m1_codes_toward_zero) by
+    a magic add rounding up: for 2^k as in e2m1_codes_by_magic, RU(1.5 * 2^(22+k) + (|c| - 2^(k-2))) lands on
+    the grid 2^(k-1) of its binade (1.5 keeps the sum inside it when |c| < 2^(k-2)): ceil(|c| / step - 1/2)
+    steps, i.e. round half down. The rounding up is taken in float64, exact here (the sum needs 26 bits)."""
+    six = torch.full_like(y, E2M1_MAX)
+    c = torch.where(torch.isnan(y), six, y.clamp(-E2M1_MAX, E2M1_MAX))
+    b = c.view(torch.int32)
+    p = torch.clamp_min(b & 0x7F800000, 0x3F800000)  # bits of 2^k
+    pk = p.view(torch.float32).double()
+    t = (c.abs() - pk * 0.25).float().double()  # fma.rn(2^k, -1/4, |c|): exact but below 0.25 (code 0 anyway)
+    steps = torch.ceil(t / (pk * 0.5))  # fma.rp's rounding onto the grid of 1.5 * 2^(22+k)
+    code = (steps + 2 * torch.log2(pk)).to(torch.int32)
+    nonzero = code != 0
+    return (code | (((b >> 28) & 8) * nonzero)).to(torch.uint8)

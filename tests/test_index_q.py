@@ -244,7 +244,12 @@ def bad_calls():
             InputError,
             "q_scales is for",
         ),
-        ("preset", dict(numerics="sglang"), NumericsError, "presets: vllm, vllm-triton"),
+        (
+            "preset",
+            dict(numerics="sglnag"),
+            NumericsError,
+            "did you mean sglang.*presets: vllm, vllm-triton, sglang, tokenspeed",
+        ),
         (
             "negated view",
             dict(weights=torch.zeros(t, h, dtype=torch.bfloat16)._neg_view()),

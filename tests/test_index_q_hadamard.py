@@ -11,6 +11,9 @@ import math
 
 import pytest
 import torch
+from attn_prologue import index_q_hadamard as hq
+from attn_prologue import numerics as nx
+from attn_prologue.index_q import FORMATS, IndexQFlag, index_q_reference, numerics_bits
 from attn_prologue.index_q_hadamard import (
     HADAMARD_SCALE,
     e2m1_codes_toward_zero,
@@ -19,6 +22,8 @@ from attn_prologue.index_q_hadamard import (
     tokenspeed_index_q,
     triton_hadamard_sum,
 )
+from attn_prologue.parity import NumericsError
+from attn_prologue.selftest import edge_rows
 
 SS, HS = 128**-0.5, 64**-0.5
 C = HADAMARD_SCALE.item()
@@ -233,3 +238,84 @@ def test_random_rows_with_rope_stay_close_to_float64():
     assert torch.allclose(wo.double(), w.double() * SS * HS * scale, rtol=1e-6)
     v8, _, _ = tokenspeed_index_q(q, pos, cache, w, SS, HS, "fp8")
     assert torch.allclose(v8.view(torch.float8_e4m3fn).double(), y, rtol=2**-3, atol=2**-9)
+
+
+# ---- the op's HADAMARD bits against the engine references above ----------------------------------------
+def test_a_triton_tree_is_the_transform_with_its_stages_reordered():
+    """triton_hadamard_sum's trees (read from the compiled kernel) group +-x_i bit by bit of i, so the kernel
+    computes them as butterflies in TRITON_*_STAGES order: the same float32 additions. Rows of random
+    magnitudes (2^-20 .. 2^20: every sum rounds) and exact zeros; the natural order differs on most sums."""
+    g = torch.Generator().manual_seed(50)
+    x = torch.randn(2000, 128, generator=g) * torch.exp2(
+        torch.randint(-20, 20, (2000, 128), generator=g).float()
+    )
+    x[::7, ::3] = 0.0
+    for arch, stages in (("sm90", hq.TRITON_SM90_STAGES), ("sm100", hq.TRITON_SM100_STAGES)):
+        tree = (
+            triton_hadamard_sum(x, arch) + 0.0
+        )  # (+ 0.0: an exact zero sum's sign may differ, no code shows it)
+        assert torch.equal(fwht_f32(x, stages) + 0.0, tree)
+        assert (fwht_f32(x) + 0.0 != tree).float().mean() > 0.5
+
+
+def _engine_inputs(t, h, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, 128, generator=g) * torch.exp2(torch.randint(-8, 8, (t, h, 1), generator=g).float())
+    edges = edge_rows(128)
+    q[: len(edges), 0] = edges[:t]
+    q[1, 1, 70], q[2, 2, 3], q[3, 3], q[4, 4, ::2], q[5, 5, 10] = math.inf, -math.inf, -0.0, -0.0, math.nan
+    theta = torch.rand(300, 32, generator=g) * 6.3
+    cache = torch.cat((theta.cos(), theta.sin()), -1)
+    return (
+        q.bfloat16(),
+        torch.randint(0, 300, (t,), generator=g),
+        cache,
+        torch.randn(t, h, generator=g).bfloat16(),
+    )
+
+
+@pytest.mark.parametrize("preset, fmt", [(p, f) for p in ("sglang", "tokenspeed") for f in FORMATS])
+def test_each_hadamard_preset_is_its_engine_reference(preset, fmt):
+    """index_q_reference with the preset's bits (the composition of steps the kernel runs) gives the engine
+    reference's bytes: random rows of mixed magnitudes, the conversions' edge rows (ties, floors, subnormals),
+    Inf, -Inf, NaN and signed zeros in the nope and rope dims."""
+    q, positions, cache, w = _engine_inputs(64, 16, seed=len(preset) + len(fmt))
+    ours = index_q_reference(q, positions, cache, w, SS, HS, fmt, preset)
+    if preset == "sglang":
+        theirs = sglang_index_q(q, positions, cache, w, SS, HS, "fp8" if fmt == "fp8_token" else "fp4")
+    else:
+        theirs = tokenspeed_index_q(q, positions, cache, w, SS, HS, "fp8" if fmt == "fp8_token" else "mxfp4")
+    assert torch.equal(ours[0], theirs[0])
+    assert (ours[1] is None) == (theirs[1] is None) and (ours[1] is None or torch.equal(ours[1], theirs[1]))
+    assert torch.equal(ours[2].view(torch.int32), theirs[2].reshape(ours[2].shape).view(torch.int32))
+
+
+def test_the_kernels_e2m1_ties_down_rule_is_the_engines():
+    """numerics.e2m1_codes_ties_down_by_magic (the kernel's fma.rp arithmetic, hadamard_lib) against the
+    threshold rule: every float32 with |y| in [2^-3, 8) (the binades holding a decision point or the
+    saturation), both signs, the specials, and a random sample of all bit patterns."""
+
+    def same(y):
+        assert torch.equal(nx.e2m1_codes_ties_down_by_magic(y), e2m1_codes_toward_zero(y))
+
+    for sign in (0, 1 << 31):
+        for exponent in range(124, 130):
+            same(
+                torch.arange(0, 1 << 23, dtype=torch.int64)
+                .add(sign | exponent << 23)
+                .to(torch.int32)
+                .view(torch.float32)
+            )
+    same(torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1e-45, -1e-45, 0.25, -0.25]))
+    g = torch.Generator().manual_seed(51)
+    same(
+        torch.randint(-(2**31), 2**31, (1 << 22,), generator=g, dtype=torch.int64)
+        .to(torch.int32)
+        .view(torch.float32)
+    )
+
+
+def test_the_hadamard_bits_are_defined_for_bf16_rows_only():
+    assert numerics_bits("sglang", "bf16", "mxfp4") == IndexQFlag.HADAMARD | IndexQFlag.ROPE_EVEN_FUSED
+    with pytest.raises(NumericsError, match="defined for bf16"):
+        numerics_bits("tokenspeed", "fp16", "fp8_token")

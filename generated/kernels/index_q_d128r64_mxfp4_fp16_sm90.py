@@ -9,6 +9,7 @@ from typing import NamedTuple
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+from attn_prologue.device import hadamard_lib as hl
 from attn_prologue.device import kernel_lib as kl
 from attn_prologue.device.kernel_base import KernelBase
 from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr, range_constexpr
@@ -31,7 +32,21 @@ ROW_CODE_BYTES = HEAD_DIM * CODE_BYTES // VEC
 SEPARATE_SCALES = 1
 INF_SATURATES = 2
 ROTATED_BF16 = 4
+HADAMARD = 8
+TRITON_SM100_SUMS = 16
+TRITON_SM90_SUMS = 32
+ROPE_EVEN_FUSED = 64
+ROPE_UNFUSED = 128
+NOPE_ROTATED = 256
+UNROUNDED = 512
+INF_INVERSE_ZERO = 4096
 DEFAULT_NUMERICS = 0  # the op's defaults (vLLM's CuTe-DSL kernel): a defaults_only module reads these
+FP8_FLOOR = 0.0001  # fl32: 0x38D1B717
+HADAMARD_FLOOR = FP8_FLOOR
+HADAMARD_SCALE = float.fromhex('0x1.6a09e60000000p-4')  # fl32(128 ** -0.5)
+NATURAL_STAGES = (0, 1, 2, 3, 4, 5, 6)  # the butterflies' index bits, in order
+TRITON_SM90_STAGES = (2, 3, 4, 5, 6, 1, 0)
+TRITON_SM100_STAGES = (3, 4, 5, 6, 2, 1, 0)
 
 # ---- conversions: portable (software E2M1) ----------------------
 def e2m1_code(x: Float32) -> Uint32:
@@ -196,33 +211,39 @@ class Kernel(KernelBase):
     @cute.jit
     def finish_row(self, row, sub: Int32, args: Arguments):
         """One row's lanes (row: its token, head, valid, ok, cos/sin tables, loaded vectors and weight): RoPE,
-        the rounding, the codes and scales, the weight; zeros for a token outside the table."""
+        the rounding, the Hadamard rotation (HADAMARD), the codes and scales, the weight; zeros for a token
+        outside the table."""
         t, h, valid, ok, tables, frags, w = row
         ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
         for s in range_constexpr(SLOTS):
             ys[s].store(frags[s].load().to(Float32))
-        self.rotate_tail(ys, tables, ok, sub, SLOTS, LANES_PER_ROW, True)  # fma(e, c, -(o*s)), fma(o, c, e*s)
-        for s in range_constexpr(1, SLOTS):  # (slot 0 holds the unrotated dims [0, D - R))
-            if (args.numerics & ROTATED_BF16) != 0:
-                ys[s].store(ys[s].load().to(cutlass.BFloat16).to(Float32))
-            else:
-                ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+        self.rope(ys, tables, ok, sub, args.numerics)
+        hadamard = (args.numerics & HADAMARD) != 0
+        if hadamard:
+            self.hadamard(ys, sub, args.numerics)
         saturate = (args.numerics & INF_SATURATES) != 0
         codes = args.q_out.iterator.toint() + Int64(t) * args.q_out.stride[0] + Int64(h) * ROW_CODE_BYTES
         scales = args.q_scales.iterator.toint() + Int64(t) * args.q_scales.stride[0] + Int64(h) * (HEAD_DIM // 32)
+        floor = cutlass.select_(hadamard, Float32(HADAMARD_FLOOR), Float32(float.fromhex('0x1.8000000000000p-124')))
+        # the saturated scale's inverse: the subnormal 2^-127, or 0 (INF_INVERSE_ZERO)
+        top = cutlass.select_((args.numerics & INF_INVERSE_ZERO) != 0, Float32(0.0), kl.f32_from_bits(Uint32(0x00400000)))
         for s in range_constexpr(SLOTS):
             amax = kl.butterfly_max(kl.abs_max(ys[s]), BLOCK_LANES)
-            e = self.exponent_field(amax, float.fromhex('0x1.8000000000000p-124'), 6.0)
+            e = self.exponent_field(amax, floor, 6.0, hadamard)
             e = cutlass.select_(saturate, cutlass.min(e, Uint32(254)), e)  # (saturated: ceil(log2) clamped to 127)
-            # 2^(127 - e), 254 - e wrapped in 32 bits: -Inf for an Inf block (e = 255); saturated, 1 / 2^127 is the
-            # subnormal 2^-127
+            # 2^(127 - e), 254 - e wrapped in 32 bits: -Inf for an Inf block (e = 255)
             inv = kl.f32_from_bits((Uint32(254) - e) << Uint32(23))
-            inv = cutlass.select_(saturate & (e == Uint32(254)), kl.f32_from_bits(Uint32(0x00400000)), inv)
+            inv = cutlass.select_(saturate & (e == Uint32(254)), top, inv)
             y = cute.make_rmem_tensor(VEC, Float32)
             y.store(ys[s].load() * inv)
-            # (lean: the portable codes by the magic add, the same codes for every float32, NaN and Inf included:
-            # tests/test_lean_quant_cpu.py; the native conversion is one instruction a pair either way)
-            word = cutlass.select_(ok, e2m1_pack8(y, True, False), Uint32(0))
+            word = Uint32(0)
+            if hadamard:  # ties toward zero, no -0
+                word = hl.e2m1_pack8_ties_down(y)
+            else:
+                # (lean: the portable codes by the magic add, the same codes for every float32, NaN and Inf
+                # included: tests/test_lean_quant_cpu.py; the native conversion is one instruction a pair)
+                word = e2m1_pack8(y, True, False)
+            word = cutlass.select_(ok, word, Uint32(0))
             j = s * LANES_PER_ROW + sub
             if valid:
                 kl.store_u32(codes, Int64(j * CODE_BYTES), word)
@@ -233,10 +254,54 @@ class Kernel(KernelBase):
             self.store_weight(t, h, ok, w, p2, args)
 
     @cute.jit
-    def exponent_field(self, amax: Float32, floor: cutlass.Constexpr, element_max: cutlass.Constexpr) -> Uint32:
+    def rope(self, ys, tables, ok, sub: Int32, numerics: Int32):
+        """RoPE in the bits' arithmetic, the unrotated pairs through it with cos 1, sin 0 (NOPE_ROTATED), then
+        the rotated values rounded through the I/O dtype (or bf16: ROTATED_BF16; not at all: UNROUNDED)."""
+        if (numerics & ROPE_UNFUSED) != 0:
+            for s in range_constexpr(SLOTS):
+                if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
+                    if ok & (s * LANES_PER_ROW + sub >= TAIL_VECTOR):
+                        hl.rope_rotate_unfused(ys[s], tables[s][0], tables[s][1])
+        elif (numerics & ROPE_EVEN_FUSED) != 0:
+            self.rotate_tail(ys, tables, ok, sub, SLOTS, LANES_PER_ROW, False)  # fma(e, c, -(o*s)), fma(e, s, o*c)
+        else:
+            self.rotate_tail(ys, tables, ok, sub, SLOTS, LANES_PER_ROW, True)  # fma(e, c, -(o*s)), fma(o, c, e*s)
+        if (numerics & NOPE_ROTATED) != 0:
+            for s in range_constexpr(SLOTS):
+                if const_expr(s * LANES_PER_ROW < TAIL_VECTOR):
+                    if s * LANES_PER_ROW + sub < TAIL_VECTOR:
+                        kl.rope_identity(ys[s])
+        if (numerics & UNROUNDED) == 0:
+            for s in range_constexpr(1, SLOTS):  # (slot 0 holds the unrotated dims [0, D - R))
+                if (numerics & ROTATED_BF16) != 0:
+                    ys[s].store(ys[s].load().to(cutlass.BFloat16).to(Float32))
+                else:
+                    ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+
+    @cute.jit
+    def hadamard(self, ys, sub: Int32, numerics: Int32):
+        """The row times the 128-point Hadamard matrix (sums in the bits' stage order), times fl(128^-0.5),
+        rounded through bf16 unless UNROUNDED."""
+        if (numerics & TRITON_SM100_SUMS) != 0:
+            hl.transform(ys, sub, TRITON_SM100_STAGES, LANES_PER_ROW)
+        elif (numerics & TRITON_SM90_SUMS) != 0:
+            hl.transform(ys, sub, TRITON_SM90_STAGES, LANES_PER_ROW)
+        else:
+            hl.transform(ys, sub, NATURAL_STAGES, LANES_PER_ROW)
+        for s in range_constexpr(SLOTS):
+            for i in range_constexpr(VEC):
+                ys[s][i] = kl.mul_rn(ys[s][i], Float32(HADAMARD_SCALE))
+        if (numerics & UNROUNDED) == 0:
+            for s in range_constexpr(SLOTS):
+                ys[s].store(ys[s].load().to(cutlass.BFloat16).to(Float32))
+
+    @cute.jit
+    def exponent_field(self, amax: Float32, floor: Float32, element_max: cutlass.Constexpr, divide) -> Uint32:
         """ceil(log2(fl(max(amax, floor) * fl(1 / element_max)))) + 127 from the float32 bits (a nonzero mantissa
-        carries into the exponent): 255 for an Inf amax. max.f32 ignores a NaN amax (all-NaN rows)."""
-        r = kl.mul_rn(kl.fmax(amax, Float32(floor)), Float32(1.0 / element_max))
+        carries into the exponent), of fl(max(amax, floor) / element_max) where `divide` (HADAMARD): 255 for an
+        Inf amax. max.f32 ignores a NaN amax (all-NaN rows)."""
+        m = kl.fmax(amax, floor)
+        r = cutlass.select_(divide, kl.quotient_by_constant(m, element_max), kl.mul_rn(m, Float32(1.0 / element_max)))
         return (kl.f32_bits(r) + Uint32(0x7FFFFF)) >> Uint32(23)
 
     @cute.jit

@@ -25,7 +25,14 @@ def min_bytes(t: int, fmt: str, h: int = HEADS) -> int:
     return t * (h * D * 2 + h * 2 + codes + h * 4 + 8 + R * 4)
 
 
-def input_sets(t: int, fmt: str, sets: int) -> list[dict]:
+PRESETS = (
+    "vllm",
+    "sglang",
+    "tokenspeed",
+)  # (the engines' default kernels; sglang and tokenspeed add the transform)
+
+
+def input_sets(t: int, fmt: str, sets: int, numerics: str = "vllm") -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(1234)
     theta = torch.rand(MAX_POS, R // 2, device="cuda", generator=g) * 6.28
     cos_sin = torch.cat((theta.cos(), theta.sin()), 1).contiguous()
@@ -41,33 +48,33 @@ def input_sets(t: int, fmt: str, sets: int) -> list[dict]:
             q_out=torch.empty(t, HEADS, D // 2 if mx else D, dtype=torch.uint8, device="cuda"),
             weights_out=torch.empty(t, HEADS, device="cuda"),
             q_scales=torch.empty(t, HEADS, D // 32, dtype=torch.uint8, device="cuda") if mx else None,
-            fmt=fmt,
+            fmt=fmt, numerics=numerics,
         ))  # fmt: skip
     return out
 
 
-def run_one(t: int, fmt: str, replays: int) -> dict:
+def run_one(t: int, fmt: str, replays: int, numerics: str = "vllm") -> dict:
     nbytes = min_bytes(t, fmt)
     nsets = sets_for_bytes(nbytes)
-    sets = input_sets(t, fmt, nsets)
+    sets = input_sets(t, fmt, nsets, numerics)
     calls = max(nsets, 20)
     fns = [functools.partial(index_q_ops.index_q_rope_quant, **s) for s in sets]
     op = graph_time_us(fns, replays=replays, calls_per_graph=calls)
     copy = copy_time_us(nbytes, nsets, replays, calls)
     ratio = copy["median_us"] / op["median_us"]
     target = TARGET_LARGE if t >= 2048 else TARGET_SMALL if t <= 64 else None
-    return {"tokens": t, "heads": HEADS, "fmt": fmt, "bytes": nbytes, "op": op, "copy": copy,
+    return {"tokens": t, "heads": HEADS, "fmt": fmt, "numerics": numerics, "bytes": nbytes, "op": op, "copy": copy,
             "of_copy": ratio, "target": target, "met": None if target is None else ratio >= target}  # fmt: skip
 
 
 def run(args) -> int:
     origin = provenance()
     rows = []
-    for fmt in ("fp8_token", "mxfp4"):
+    for numerics, fmt in ((n, f) for n in PRESETS for f in ("fp8_token", "mxfp4")):
         for t in TOKENS:
-            r = run_one(t, fmt, args.replays)
+            r = run_one(t, fmt, args.replays, numerics)
             rows.append(r)
-            print(f"index_q {fmt} T={t} H={HEADS}: {r['op']['median_us']:.2f} us, copy {r['copy']['median_us']:.2f} us,"
+            print(f"index_q {numerics} {fmt} T={t} H={HEADS}: {r['op']['median_us']:.2f} us, copy {r['copy']['median_us']:.2f} us,"
                   f" {r['of_copy']:.1%} of copy" + ("" if r["target"] is None else f" (target {r['target']:.0%}:"
                   f" {'met' if r['met'] else 'MISSED'})"), flush=True)  # fmt: skip
             if args.json:

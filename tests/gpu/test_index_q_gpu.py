@@ -1,5 +1,5 @@
 """The indexer's Q prologue on the GPU: every generated module this GPU runs, bit for bit against the
-reference on poisoned outputs, for both presets, random rows with the conversions' edge rows, a token
+reference on poisoned outputs, for every preset (and Hadamard bits no preset combines), random rows with the conversions' edge rows, a token
 outside the table, float32 and bf16 weights_out, every launch knob it takes, vLLM's function, CUDA-graph
 replay and torch.compile."""
 
@@ -9,7 +9,8 @@ import attn_prologue as ap
 import pytest
 import torch
 from attn_prologue.compat import vllm_indexer
-from attn_prologue.index_q import index_q_reference
+from attn_prologue.index_q import IndexQFlag, index_q_reference
+from attn_prologue.index_q_hadamard import sglang_index_q, tokenspeed_index_q
 from attn_prologue.launch import LaunchConfig
 from attn_prologue.selftest import edge_rows
 
@@ -53,6 +54,7 @@ def check(cpu, got, fmt, numerics, w_dtype):
         assert torch.equal(scales.cpu(), want[1])
 
 
+F = IndexQFlag
 CASES = [
     (fmt, dtype, numerics, w_dtype)
     for fmt in ("fp8_token", "mxfp4")
@@ -60,6 +62,13 @@ CASES = [
         (torch.bfloat16, "vllm"),
         (torch.bfloat16, "vllm-triton"),
         (torch.float16, "vllm-triton"),
+        (torch.bfloat16, "sglang"),
+        (torch.bfloat16, "tokenspeed"),
+        # the Hadamard bits no preset sets alone or together: the pow2 FP8 scale and RNE-free codes after the
+        # transform, TokenSpeed's Triton sums on sm_90, fp16 rows
+        (torch.bfloat16, int(F.HADAMARD)),
+        (torch.bfloat16, int(F.HADAMARD | F.TRITON_SM90_SUMS | F.NOPE_ROTATED | F.INF_SATURATES)),
+        (torch.float16, int(F.HADAMARD | F.ROPE_UNFUSED | F.ROTATED_BF16 | F.UNROUNDED)),
     )
     for w_dtype in (torch.float32, torch.bfloat16)
 ]
@@ -100,6 +109,23 @@ def test_every_launch_knob_gives_the_same_bytes(fmt, config):
     out = poisoned(777, 64, fmt, torch.float32)
     ap.index_q_rope_quant(**dev, q_out=out[0], weights_out=out[1], q_scales=out[2], fmt=fmt, config=config)
     check(cpu, out, fmt, None, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_token", "mxfp4"])
+@pytest.mark.parametrize("engine", ["sglang", "tokenspeed"])
+def test_hadamard_presets_give_their_engine_references_bytes(engine, fmt):
+    """The kernel against the engine-derived references themselves (index_q_hadamard: each rule cited from the
+    engine's source), not only the composed reference."""
+    cpu, dev = make(333, 64, torch.bfloat16, seed=11)
+    out = poisoned(333, 64, fmt, torch.float32)
+    ap.index_q_rope_quant(**dev, q_out=out[0], weights_out=out[1], q_scales=out[2], fmt=fmt, numerics=engine)
+    fn = sglang_index_q if engine == "sglang" else tokenspeed_index_q
+    engine_fmt = {"fp8_token": "fp8", "mxfp4": "fp4" if engine == "sglang" else "mxfp4"}[fmt]
+    codes, scales, w = fn(*cpu.values(), engine_fmt)
+    torch.cuda.synchronize()
+    assert torch.equal(out[0].cpu(), codes)
+    assert torch.equal(out[1].cpu().view(torch.int32), w.reshape(333, 64).view(torch.int32))
+    assert scales is None or torch.equal(out[2].cpu(), scales)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_token", "mxfp4"])
