@@ -73,6 +73,9 @@ def build_keys(
             folding = [c for c in chosen if c.defaults_only]
             for bits in folded_bits(v, numerics):
                 chosen |= {replace(c, defaults_only=False, folded_numerics=bits) for c in folding}
+            if v.op is Op.INDEX_Q:  # its calls always run a module folded to their bits: each preset's
+                presets = folded_bits(v, index_q.PRESETS) | {v.default_numerics}
+                chosen = {c.folded_to(bits, v.default_numerics) for c in chosen for bits in presets}
             for cfg in sorted(chosen, key=lambda c: c.key):
                 keys.append((v, KernelKey(v.name, cfg, t)))
     return keys

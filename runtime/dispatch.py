@@ -238,11 +238,13 @@ class Runtime:
         slots32: bool = False,
         numerics: int | None = None,
         compress_ratio: int = 1,
+        fold_numerics: bool = False,
     ) -> tuple[Launcher, ...]:
         """The launcher of every token-count bucket (index = bucket_index(n)); `config` forces one.
         slots32: compiled for int32 slot ids (the same tuned configs, the other slot width). numerics:
         the calls' parity-choice bits (None: the format defaults'); a config that folds other bits
-        serves them through another module (serving_config)."""
+        serves them through another module (serving_config). fold_numerics: each bucket's config folded
+        to these bits (compiled on first use where `build` did not), unless it fixes its own."""
         facts = self.device(device)
         v = self.variant(request, facts.index)
         if config is not None and (why := v.refusal(config)):
@@ -252,6 +254,8 @@ class Runtime:
             for i in range(MAX_BUCKET_LOG2 + 1)
         ]
         bits = v.default_numerics if numerics is None else numerics
+        if fold_numerics:
+            configs = [c.folded_to(bits, v.default_numerics) for c in configs]
         return tuple(
             self.launcher(
                 v, self.serving_config(v, replace(c, slots32=slots32), bits, facts.target), facts.index

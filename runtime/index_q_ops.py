@@ -155,8 +155,15 @@ def _shape_calls(rt, request, q, weights_out, q_scales, numerics, checked, confi
     bits = numerics_bits(_parse(numerics), request.io_dtype.value, request.cache_format)
     if conversions is not None:
         request = Request(**{**request.__dict__, "conversions": Conversions(conversions)})
+    # (each index_q kernel is compiled for its calls' bits: the branches of the others fold away)
     launchers = rt.launchers(
-        request, q.device, heads=q.shape[1], written=q.shape[1], config=config, numerics=bits
+        request,
+        q.device,
+        heads=q.shape[1],
+        written=q.shape[1],
+        config=config,
+        numerics=bits,
+        fold_numerics=True,
     )
     lead = ("q_in", "weights", "q_out", *(("q_scales",) if q_scales is not None else ()), "weights_out",
             "positions", "cos_sin_cache", "errors", "weights_scale", "head_scale")  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 
 @dataclass(frozen=True, order=True)
@@ -79,6 +79,15 @@ class LaunchConfig:
     def persistent(self) -> bool:
         """Compile the grid-stride loop (the grid is capped at run time by max_ctas)."""
         return self.ctas_per_sm > 0
+
+    def folded_to(self, bits: int, default_bits: int) -> LaunchConfig:
+        """This config compiled for exactly these `numerics` bits (defaults_only for the defaults'), unless it
+        fixes its own already."""
+        if self.defaults_only or self.folded_numerics >= 0:
+            return self
+        if bits == default_bits:
+            return replace(self, defaults_only=True)
+        return replace(self, folded_numerics=bits)
 
     @property
     def key(self) -> str:

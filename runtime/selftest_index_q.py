@@ -41,12 +41,15 @@ def run(launcher: Launcher, errors: torch.Tensor, arena, edge_rows) -> tuple[boo
     codes.fill_(0x55)
     scales.fill_(0x55)
     w_out.fill_(7.0)
-    ws, hs = host_scales(0.125, 0.5, 0)
+    bits = max(launcher.config.folded_numerics, v.default_numerics)  # (the bits the module was compiled for)
+    ws, hs = host_scales(0.125, 0.5, bits)
     values = dict(q_in=q_dev, weights=w_dev, q_out=codes, q_scales=scales, weights_out=w_out.view(torch.uint8),
                   positions=pos_dev, cos_sin_cache=cs_dev, errors=errors, weights_scale=ws, head_scale=hs,
-                  weights_bf16=0, numerics=0, checked=1)  # fmt: skip
+                  weights_bf16=0, numerics=bits, checked=1)  # fmt: skip
     launcher(**{k: values[k] for k in launcher.arguments if k in values})
-    want_codes, want_scales, want_w, _ = index_q_reference(q.to(dt), pos, cs, w, 0.125, 0.5, v.cache_format)
+    want_codes, want_scales, want_w, _ = index_q_reference(
+        q.to(dt), pos, cs, w, 0.125, 0.5, v.cache_format, bits
+    )
     bad = int((codes.cpu() != want_codes).sum()) + int(
         (w_out.cpu().view(torch.int32) != want_w.view(torch.int32)).sum()
     )
