@@ -1,6 +1,7 @@
 """Bit-exact CPU references of the DeepSeek-V4 indexer-Q prologue with a 128-point Hadamard rotation,
-as SGLang 0.5.23 and TokenSpeed (tokenspeed-kernel 0.1.4) compute it (docs/index-q.md). No kernel implements
-them yet.
+as SGLang 0.5.23 and TokenSpeed (tokenspeed-kernel 0.1.4) compute it (docs/index-q.md), each rule cited to its
+source. The op serves both as the presets "sglang" and "tokenspeed" (index_q.PRESETS: their IndexQFlag bits);
+these references are what those bits are checked against.
 
 Inputs for both engines: q [T, H, 128] (bf16), positions [T] (int), cos_sin_cache [max_pos, 64] fp32 with
 cos in columns 0..31 and sin in 32..63 (TokenSpeed's layout; SGLang reads the same numbers interleaved,

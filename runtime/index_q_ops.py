@@ -113,7 +113,7 @@ def index_q_rope_quant(
     fmt="fp8_token", numerics=None, *, checked=True, config=None, conversions=None, runtime: Runtime | None = None,
 ) -> None:  # fmt: skip
     """RoPE + FP8 / MXFP4 quantization of the indexer's Q, index weights folded (module docstring).
-    numerics: None (vLLM's CuTe-DSL kernel's bits), a preset ("vllm", "vllm-triton") or IndexQFlag bits."""
+    numerics: None (vLLM's CuTe-DSL kernel's bits), a preset ("vllm", "vllm-triton", "sglang", "tokenspeed") or IndexQFlag bits."""
     if torch.compiler.is_compiling() or not (runtime or getattr(q, "is_cuda", True)):
         check_scales(softmax_scale, head_scale)
         text = numerics if isinstance(numerics, str) else ("" if numerics is None else str(int(numerics)))

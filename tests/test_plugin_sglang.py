@@ -21,21 +21,25 @@ import_sglang()
 
 import attn_prologue as ap  # noqa: E402
 import sglang.kernels.ops.attention.dsv4 as dsv4  # noqa: E402
+import sglang.srt.layers.attention.dsv4.indexer as indexer  # noqa: E402
 import sglang.srt.mem_cache.deepseek_v4_memory_pool as pool  # noqa: E402
 import sglang.srt.models.deepseek_v4 as model  # noqa: E402
 import sglang.srt.plugins as sgl_plugins  # noqa: E402
+from attn_prologue import index_q_hadamard as hq  # noqa: E402
 from attn_prologue.plugins import sglang as plugin  # noqa: E402
 from sglang.kernels.ops.attention.dsv4 import norm_rope  # noqa: E402
 from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
 
 Q, KV = "fused_q_norm_rope", "fused_k_norm_rope_flashmla"
-TARGET = {name: f"{plugin.NORM_ROPE}.{name}" for name in (Q, KV)}
+IQ8, IQ4 = "fused_q_indexer_rope_hadamard_quant", "fused_q_indexer_rope_hadamard_fp4_quant"
+TARGET = {name: f"{plugin.NORM_ROPE}.{name}" for name in (Q, KV, IQ8, IQ4)}
 # SGLang's functions as imported, in a dict: SGLang's propagation rewrites every *module attribute*
 # that holds the original when a hook is applied, this test module's included
-ORIGINAL = {Q: norm_rope.fused_q_norm_rope, KV: norm_rope.fused_k_norm_rope_flashmla}
+ORIGINAL = {name: getattr(norm_rope, name) for name in TARGET}
 # every place the real package holds each function: where it is defined and its re-exports
-HOLDERS = {Q: (norm_rope, dsv4, model), KV: (norm_rope, dsv4, pool)}
+HOLDERS = {Q: (norm_rope, dsv4, model), KV: (norm_rope, dsv4, pool), IQ8: (norm_rope, dsv4, indexer),
+           IQ4: (norm_rope, dsv4, indexer)}  # fmt: skip
 POISON = 0xA5
 
 
@@ -101,7 +105,7 @@ def poisoned(shape, dtype) -> torch.Tensor:
 def test_load_plugins_runs_our_entry_point_and_every_seam_and_re_export_is_ours(caplog):
     caplog.set_level(logging.INFO)
     sgl_plugins.load_plugins()  # the real discovery: entry point group sglang.srt.plugins
-    assert plugin._installed is not None and plugin._installed.seams == [TARGET[Q], TARGET[KV]]
+    assert plugin._installed is not None and plugin._installed.seams == list(TARGET.values())
     for name, target in TARGET.items():
         ((kind, hook, source),) = HookRegistry._hooks[target]
         assert kind is HookType.REPLACE and hook.__module__ == plugin.__name__
@@ -110,7 +114,7 @@ def test_load_plugins_runs_our_entry_point_and_every_seam_and_re_export_is_ours(
         assert applied is not ORIGINAL[name] and applied.__wrapped__ is ORIGINAL[name]
         assert all(getattr(m, name) is applied for m in HOLDERS[name])  # propagated
     (line,) = our_records(caplog, logging.INFO)
-    assert line.getMessage() == f"attn_prologue: replaced in SGLang 0.5.23: {TARGET[Q]}, {TARGET[KV]}"
+    assert line.getMessage() == f"attn_prologue: replaced in SGLang 0.5.23: {', '.join(TARGET.values())}"
     plugin._installed.uninstall()
     assert untouched() and not HookRegistry._hooks and not HookRegistry._patched
 
@@ -353,3 +357,54 @@ def test_a_call_our_op_refuses_runs_sglangs_function_and_says_so_once(monkeypatc
     assert len(calls) == 2
     (warning,) = our_records(caplog)
     assert "fused_k_norm_rope_flashmla" in warning.getMessage() and "aligned" in warning.getMessage()
+
+
+# ---- the indexer's Q: fused_q_indexer_rope_hadamard_quant / _fp4_quant --------------------------------
+@pytest.mark.parametrize("name", [IQ8, IQ4])
+@pytest.mark.parametrize("pos_dtype", [torch.int64, torch.int32])
+def test_the_indexer_q_seams_give_sglangs_bytes_and_outputs(name, pos_dtype):
+    """Through the indexer module's own binding: outputs of SGLang's types and shapes (FP8 [T, H, 128] and
+    weights [T, H, 1]; FP4 ((int8 [T, H, 64], int32 [T, H]), weights)), bytes of the SGLang reference
+    (index_q_hadamard.sglang_index_q, each rule cited to SGLang's CUDA source) on rows with Inf, NaN, -0."""
+    sgl_plugins.load_plugins()
+    gen = torch.Generator().manual_seed(3)
+    n, h = 6, 16
+    q = torch.randn(n, h, 128, generator=gen)
+    q[0, 0, 3], q[1, 2, 100], q[2, 3], q[3, 4, 7] = float("inf"), float("nan"), -0.0, -1e-30
+    q = q.bfloat16()
+    w = torch.randn(n, h, generator=gen).bfloat16()
+    f = freqs(64, gen)
+    positions = torch.randint(0, 64, (n,), generator=gen)
+    scale = 128**-0.5 * h**-0.5
+    got = getattr(indexer, name)(q, w, scale, f, positions.to(pos_dtype))
+    fp4 = name == IQ4
+    codes, scales, weights = hq.sglang_index_q(
+        q, positions, cos_sin(f), w, scale, 1.0, "fp4" if fp4 else "fp8"
+    )
+    (q_out, q_sf), w_out = got if fp4 else ((got[0], None), got[1])
+    assert q_out.dtype == (torch.int8 if fp4 else torch.float8_e4m3fn) and q_out.shape == codes.shape
+    assert torch.equal(q_out.view(torch.uint8), codes)
+    assert w_out.shape == (n, h, 1) and torch.equal(
+        w_out.view(torch.int32), weights.view(torch.int32).view(n, h, 1)
+    )
+    if fp4:
+        assert q_sf.dtype == torch.int32 and q_sf.shape == (n, h)
+        assert torch.equal(q_sf.view(torch.uint8).view(n, h, 4), scales)
+
+
+def test_indexer_rows_sglangs_kernels_take_but_ours_does_not_run_sglangs_function(monkeypatch):
+    """fp16 rows (SGLang's kernels are instantiated for the input dtype; the preset is bf16 only)."""
+    calls: list = []
+
+    def stand_in(q_input, weight, weight_scale, freqs_cis, positions):
+        calls.append(q_input)
+        return "sglang's"
+
+    monkeypatch.setattr(norm_rope, IQ8, stand_in)
+    sgl_plugins.load_plugins()
+    q = torch.randn(2, 4, 128).half()
+    got = norm_rope.fused_q_indexer_rope_hadamard_quant(
+        q, q[..., 0], 0.1, freqs(8, None), torch.tensor([1, 2])
+    )
+    assert got == "sglang's"
+    assert len(calls) == 1

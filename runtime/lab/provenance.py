@@ -86,11 +86,12 @@ ENV_SOURCE = "ATTN_PROLOGUE_SOURCE"
 
 def copied_tree_state() -> dict | None:
     """For a copied tree (e.g. on a GPU machine, whose copy may carry a stale .git or none): the state
-    the copier recorded in $ATTN_PROLOGUE_SOURCE as `<commit>` or `<commit>+dirty`, marked as told
+    the copier recorded in $ATTN_PROLOGUE_SOURCE as `<commit>` or `<commit>+dirty` (a full or abbreviated
+    hash), marked as told
     rather than read. It wins over git when set."""
     told = env.get(ENV_SOURCE)
     commit, _, flag = told.partition("+")
-    if not re.fullmatch(r"[0-9a-f]{40}", commit) or flag not in ("", "dirty"):
+    if not re.fullmatch(r"[0-9a-f]{7,40}", commit) or flag not in ("", "dirty"):  # (a short hash too)
         return None
     return {"git_commit": commit, "git_dirty": flag == "dirty", "git_state_from": ENV_SOURCE}
 

@@ -19,6 +19,9 @@ runs where", says why for each case):
   `mxfp8`): `kv_rope_insert(..., norm_weight, eps, numerics="preset=sglang")`. `V4` (584 B) stays
   SGLang's: its writer quantizes the float32 normed row, ours the bf16-rounded one. `V41_FP4` has
   no kv_norm kernel here; the `_NEW` layouts are not our page; `q` (ROCm) is not our op.
+* `fused_q_indexer_rope_hadamard_quant` and `..._fp4_quant` (the indexer's Q, RoPE + Hadamard + FP8 or
+  MXFP4): our `index_q_rope_quant` with the `sglang` preset, its outputs allocated as SGLang's wrappers
+  allocate them. Rows SGLang's CUDA kernels do not take (not bf16) stay SGLang's.
 
 The norm's 1/sqrt is the one difference left on the V4.1 store: SGLang's `rsqrtf` is approximate
 and sums in another order, so a normed value can land on the neighbouring bf16 (rarely visible
@@ -36,6 +39,7 @@ import torch
 
 from .. import ops
 from ..errors import InputError, UnsupportedError
+from ..index_q_ops import index_q_rope_quant
 from . import Installed, Seam, engine_version
 from . import install as install_seams
 
@@ -49,6 +53,8 @@ KV_PARAMETERS = (
 # SGLang's KVLayout value -> our cache format, where the page and the writer's rounding are ours
 OUR_LAYOUTS = {"v41": "mxfp8"}
 HEAD_DIM, ROPE_PAIRS = 512, 32  # what SGLang's FlashMLA-layout kernels take (static_assert 512, 64)
+INDEX_Q_PARAMETERS = ("q_input", "weight", "weight_scale", "freqs_cis", "positions")
+INDEX_HEAD_DIM = 128  # the indexer's Q rows (SGLang's Hadamard kernels take 128 only)
 Q_ONLY_FORMAT, Q_ONLY_RECORD = "fp8_ds_mla", 584  # the format of the one-page cache a Q-only call names
 
 _installed: Installed | None = None
@@ -259,10 +265,73 @@ def kv_seam(original):
     return fused_k_norm_rope_flashmla
 
 
+# ---- fused_q_indexer_rope_hadamard_quant / _fp4_quant (the indexer's Q) ----------------------------------
+def index_q_is_ours(q_input, weight, weight_scale, freqs_cis, positions) -> bool:
+    """What SGLang's CUDA kernels take (bf16 [T, H, 128] rows, weight [T, H] of q's dtype) on CUDA or CPU."""
+    return (
+        isinstance(q_input, torch.Tensor)
+        and q_input.dim() == 3
+        and q_input.shape[2] == INDEX_HEAD_DIM
+        and q_input.dtype == torch.bfloat16
+        and isinstance(weight, torch.Tensor)
+        and weight.dtype == q_input.dtype
+        and weight.shape == q_input.shape[:2]
+        and weight.device == q_input.device
+        and ours_run(q_input.device)
+        and isinstance(weight_scale, (int, float))
+        and not isinstance(weight_scale, bool)
+        and math.isfinite(weight_scale)
+        and table_ok(freqs_cis)
+        and positions_ok(positions, q_input.shape[0])
+    )
+
+
+def index_q(q_input, weight, weight_scale, freqs_cis, positions, fmt: str):
+    """Our op with the sglang preset into outputs allocated as SGLang's wrappers allocate them; SGLang's one
+    weight_scale (softmax_scale * n_heads^-0.5, a double) is our softmax_scale with head_scale 1."""
+    t, h, d = q_input.shape
+    weights_out = torch.empty(t, h, 1, dtype=torch.float32, device=q_input.device)
+    if fmt == "mxfp4":
+        q_out = torch.empty(t, h, d // 2, dtype=torch.int8, device=q_input.device)
+        q_sf = torch.empty(t, h, dtype=torch.int32, device=q_input.device)
+        scales = q_sf.view(torch.uint8).view(t, h, d // 32)  # the int32 is its 4 UE8M0 bytes, little-endian
+    else:
+        q_out = torch.empty(t, h, d, dtype=torch.float8_e4m3fn, device=q_input.device)
+        q_sf = scales = None
+    index_q_rope_quant(
+        q_input, positions64(positions), cos_sin(freqs_cis), weight, float(weight_scale), 1.0,
+        q_out.view(torch.uint8), weights_out.view(t, h), scales, fmt, numerics="sglang",
+    )  # fmt: skip
+    return ((q_out, q_sf), weights_out) if fmt == "mxfp4" else (q_out, weights_out)
+
+
+def index_q_seam(fmt: str):
+    name = (
+        "fused_q_indexer_rope_hadamard_fp4_quant" if fmt == "mxfp4" else "fused_q_indexer_rope_hadamard_quant"
+    )
+
+    def make(original):
+        def replacement(q_input, weight, weight_scale, freqs_cis, positions):
+            out = []
+            if index_q_is_ours(q_input, weight, weight_scale, freqs_cis, positions) and attempt(
+                name, lambda: out.append(index_q(q_input, weight, weight_scale, freqs_cis, positions, fmt))
+            ):
+                return out[0]
+            return original(q_input, weight, weight_scale, freqs_cis, positions)
+
+        replacement.__name__ = replacement.__qualname__ = name
+        replacement.__doc__ = f"attn_prologue's replacement of {NORM_ROPE}.{name} (sglang.py)."
+        return replacement
+
+    return make
+
+
 # sglang version -> the seams checked against it (parameter names read from that release's wheel)
 VERSIONS: dict[str, tuple[Seam, ...]] = {
     "0.5.23": (
         Seam(NORM_ROPE, "fused_q_norm_rope", Q_PARAMETERS, q_seam),
         Seam(NORM_ROPE, "fused_k_norm_rope_flashmla", KV_PARAMETERS, kv_seam),
+        Seam(NORM_ROPE, "fused_q_indexer_rope_hadamard_quant", INDEX_Q_PARAMETERS, index_q_seam("fp8_token")),
+        Seam(NORM_ROPE, "fused_q_indexer_rope_hadamard_fp4_quant", INDEX_Q_PARAMETERS, index_q_seam("mxfp4")),
     ),
 }
