@@ -142,6 +142,7 @@ def make_plan(v: Variant) -> dict:
         # ScaleFloor.SCALE as the least UE8M0 byte: 127 + ceil(log2(fl32(floor))), for AmaxFloor.E4 / E8
         "floor_bytes": tuple(ceil_log2_f32(float(v.value)) + 127 for v in AmaxFloor),
         "needs_e2m1": f.element is ElementCode.E2M1,
+        "e2m1_float_codes": True,  # the float32 codes (portable e2m1_pack8): every writer calls them
         # E2M1 codes of rows in the I/O dtype (lean_quant): float16 pairs in software, exact where the value
         # coded is x * 2^-e or the quotient x / s (mxfp4, nvfp4_v41), and x * fl(1 / s) (nvfp4_dsv4) for
         # bf16 rows only (tests/test_lean_quant_cpu.py)

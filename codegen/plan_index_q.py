@@ -70,10 +70,12 @@ def make_index_q_plan(v: Variant) -> dict:
             "TRITON_SM90_STAGES": repr(hq.TRITON_SM90_STAGES),
             "TRITON_SM100_STAGES": repr(hq.TRITON_SM100_STAGES),
         },
-        # what conversions/*.jinja read: the E2M1 packing only (no UE8M0 instruction, no lean I/O codes)
+        # what conversions/*.jinja read: the E2M1 packing of I/O-dtype values only (no UE8M0 instruction)
         "needs_e2m1": mxfp4,
+        "e2m1_float_codes": False,  # (its codes are the float16 ones, e2m1_pack8_io, or the Hadamard rule's)
         "needs_ue8m0": False,
-        "e2m1_io_codes": False,
+        "e2m1_io_codes": mxfp4,  # (the codes of I/O-dtype values times a power of two: e2m1_pack8_io)
+        "scale": "ue8m0",
         "signature": _signature(v, mxfp4),
         "shared_symbols": {"tokens": "cute.sym_int32()", "heads": "cute.sym_int32()"},
     }

@@ -10,6 +10,7 @@ import math
 import attn_prologue as ap
 import pytest
 import torch
+from attn_prologue import numerics as nx
 from attn_prologue.compat import vllm_indexer
 from attn_prologue.dispatch import MAX_BUCKET_LOG2
 from attn_prologue.errors import InputError, UnsupportedError
@@ -341,3 +342,15 @@ def test_the_kernel_path_passes_each_call_its_scales(fmt, numerics):
         assert torch.equal(codes, want[0]) and torch.equal(w, want[2])
         assert scales is None or torch.equal(scales, want[1])
     assert len(rt.calls) == 1 and len(rt.seen) == 2
+
+
+def test_the_float16_codes_keep_every_code_the_index_q_kernel_asks_of_them():
+    """index_q's MXFP4 codes (not HADAMARD) go through e2m1_pack8_io: float16 pairs of y = x * m with x an
+    I/O-dtype value (bf16 or fp16, every bit pattern) and m each multiplier the kernel uses: 2^(127 - e) for
+    every byte e a finite block can get, -Inf (an Inf block's wrapped inverse) and 2^-127 (INF_SATURATES).
+    Twin of the kernel's arithmetic: numerics.e2m1_pack_codes_in_f16; rule: numerics.e2m1_codes."""
+    every = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16)
+    for x in (every.view(torch.bfloat16).float(), every.view(torch.float16).float()):
+        for m in [2.0 ** (127 - e) for e in range(1, 254)] + [-math.inf, 2.0**-127]:
+            y = x * torch.tensor(m, dtype=torch.float32)
+            assert torch.equal(nx.e2m1_pack_codes_in_f16(y), nx.e2m1_codes(y)), m

@@ -62,6 +62,12 @@ def e2m1_pack8(y, lean: bool, in_range: bool) -> Uint32:
         write_only_types=[Uint32],
         read_only_args=[y[i] for i in range(8)],
     )
+
+
+def e2m1_pack8_io(y) -> Uint32:
+    """The portable modules' float16 path for rows in the I/O dtype; here the hardware conversion, already
+    one instruction a pair, of y."""
+    return e2m1_pack8(y, True, in_range=False)
 # ---- end conversions ---------------------------------------------------------------------------
 
 
@@ -228,9 +234,10 @@ class Kernel(KernelBase):
             if hadamard:  # ties toward zero, no -0
                 word = hl.e2m1_pack8_ties_down(y)
             else:
-                # (lean: the portable codes by the magic add, the same codes for every float32, NaN and Inf
-                # included: tests/test_lean_quant_cpu.py; the native conversion is one instruction a pair)
-                word = e2m1_pack8(y, True, False)
+                # y is an I/O-dtype (or bf16) value times 2^(127 - e), -Inf or 2^-127: the portable codes in
+                # float16 pairs keep every code (tests/test_lean_quant_cpu.py, tests/test_index_q.py); the
+                # native conversion is one instruction a pair
+                word = e2m1_pack8_io(y)
             word = cutlass.select_(ok, word, Uint32(0))
             j = s * LANES_PER_ROW + sub
             if valid:

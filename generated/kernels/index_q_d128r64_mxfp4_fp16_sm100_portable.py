@@ -49,31 +49,66 @@ TRITON_SM90_STAGES = (2, 3, 4, 5, 6, 1, 0)
 TRITON_SM100_STAGES = (3, 4, 5, 6, 2, 1, 0)
 
 # ---- conversions: portable (software E2M1) ----------------------
-def e2m1_code(x: Float32) -> Uint32:
-    """float32 -> e2m1 code with round-to-nearest-even and saturation to +-6; NaN -> 0x7.
-    Adding 2^22, 2^23 or 2^24 (ulp 0.5, 1, 2: the e2m1 spacing in [0, 2), [2, 4), [4, 6]) rounds
-    min(|x|, 6) to its grid point by the FPU's own nearest-even rounding, and the low mantissa bits
-    of the sum count grid steps: code = bits(sum) - bits(magic) + first code of the range. NaN: min
-    gives 6 (code 7), and the sign is dropped."""
-    a = kl.fmin(cute.math.absf(x), Float32(6.0))  # min.f32 returns 6 for NaN
-    below2 = a < Float32(2.0)
-    below4 = a < Float32(4.0)
-    magic = cutlass.select_(below2, Float32(4194304.0), cutlass.select_(below4, Float32(8388608.0), Float32(16777216.0)))
-    start = cutlass.select_(below2, Uint32(0x4A800000), cutlass.select_(below4, Uint32(0x4B000000 - 2), Uint32(0x4B800000 - 4)))
-    code = (kl.f32_bits(a + magic) - start) | ((kl.f32_bits(x) >> Uint32(28)) & Uint32(8))
-    return Uint32(cutlass.select_(x != x, Uint32(0x7), code))
+
+# The *_io functions: E2M1 codes of rows in the I/O dtype (lean_quant), in float16 pairs: value i in the low half
+# of word i, value i + 4 in the high half, so that the 4 words' codes land in one word by shifts of 4i.
+# Exact where the row holds I/O-dtype values (proven on the CPU for every bf16 and fp16 value and every
+# scale: tests/test_lean_quant_cpu.py; twins numerics.e2m1_pack_codes_in_f16,
+# e2m1_quotient_codes_in_f16 and e2m1_reciprocal_codes_in_f16).
+F16_ONES, F16_512, F16_SIXES = 0x3C003C00, 0x60006000, 0x46004600  # (1.0, 1.0), (512, 512), (6, 6)
+F16_BIAS = 0x241E241E  # a code word's t - p + (p >> 9) minus its code, per half (e2m1_word_of_f16)
 
 
-def e2m1_pack8(y, lean: bool, in_range: bool) -> Uint32:
-    """8 float32 -> one word of 8 e2m1 codes, element 2j in the low nibble of byte j. `lean`
-    (LaunchConfig.lean_quant): the same codes by the magic-add rounding (kl.e2m1_pack8_by_magic),
-    which skips its saturation where `in_range` (y known to be in [-6, 6] and not NaN)."""
-    if lean:  # a Python bool: decided while the kernel is traced
-        return kl.e2m1_pack8_by_magic(y, saturate=not in_range)
+def f16x2(op: str, *words) -> Uint32:
+    """One packed-half PTX instruction `op` on 32-bit words (e.g. "min.f16x2"); a Python int is a
+    constant word, moved into a register inside the asm (packed-half operands take no immediates)."""
+    names, regs, movs = [], [], []
+    for w in words:
+        if isinstance(w, int):
+            names.append(f"k{len(movs)}")
+            movs.append(f" mov.b32 k{len(movs)}, {w:#010x};")
+        else:
+            names.append("{$r" + str(len(regs)) + "}")
+            regs.append(w)
+    decl = " .reg .b32 " + ", ".join(f"k{i}" for i in range(len(movs))) + ";" if movs else ""
+    return cute.arch.inline_ptx(
+        "{" + decl + "".join(movs) + " " + op + " {$w0}, " + ", ".join(names) + "; }",
+        write_only_types=[Uint32],
+        read_only_args=regs,
+    )
+
+
+def f16_pair(lo: Float32, hi: Float32) -> Uint32:
+    """(RN(lo), RN(hi)) as one float16x2 word (cvt.rn.f16x2.f32 takes the high half first)."""
+    return cute.arch.inline_ptx(
+        "cvt.rn.f16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32], read_only_args=[hi, lo]
+    )
+
+
+def e2m1_word_of_f16(mags, signs) -> Uint32:
+    """One word of 8 e2m1 codes from 4 float16x2 words of magnitudes in [0, 6] (`mags`) and 4 words whose
+    bits 15 and 31 are the signs (`signs`). Per half, with 2^k = max(2^floor(log2 a), 1): t = a + 512 * 2^k
+    rounds a at the e2m1 spacing 2^(k-1) (one rounding, nearest even), and code = steps + 2k =
+    bits(t) - p + (p >> 9) - 0x241E where p = bits(2^k): the 32-bit arithmetic keeps the halves apart
+    (each half's result is in [0, 2^16); p has no bits below 10). The bias is taken off once."""
     word = Uint32(0)
-    for i in range(8):
-        word = word | (e2m1_code(y[i]) << Uint32(4 * i))
-    return word
+    for i in range(4):
+        p = f16x2("max.f16x2", mags[i], F16_ONES) & Uint32(0x7C007C00)
+        t = f16x2("fma.rn.f16x2", p, F16_512, mags[i])
+        word = word + ((t + (p >> Uint32(9)) - p) << Uint32(4 * i))
+        word = word + ((signs[i] & Uint32(0x80008000)) >> Uint32(12 - 4 * i))
+    return word - Uint32(sum(F16_BIAS << (4 * i) for i in range(4)) % 2**32)
+
+
+def e2m1_pack8_io(y) -> Uint32:
+    """e2m1_pack8 of 8 float32 y whose float16 roundings keep their codes (y = x * 2^-e, x in the I/O
+    dtype: exact in float16 down to 2^-14, and below it far under the first decision point 0.25):
+    saturated to +-6 with NaN -> +6 (min first: min.f16x2 returns its other operand for NaN)."""
+    clamped = [
+        f16x2("max.f16x2", f16x2("min.f16x2", f16_pair(y[i], y[i + 4]), F16_SIXES), F16_SIXES | 0x80008000)
+        for i in range(4)
+    ]
+    return e2m1_word_of_f16([c & Uint32(0x7FFF7FFF) for c in clamped], clamped)
 # ---- end conversions ---------------------------------------------------------------------------
 
 
@@ -240,9 +275,10 @@ class Kernel(KernelBase):
             if hadamard:  # ties toward zero, no -0
                 word = hl.e2m1_pack8_ties_down(y)
             else:
-                # (lean: the portable codes by the magic add, the same codes for every float32, NaN and Inf
-                # included: tests/test_lean_quant_cpu.py; the native conversion is one instruction a pair)
-                word = e2m1_pack8(y, True, False)
+                # y is an I/O-dtype (or bf16) value times 2^(127 - e), -Inf or 2^-127: the portable codes in
+                # float16 pairs keep every code (tests/test_lean_quant_cpu.py, tests/test_index_q.py); the
+                # native conversion is one instruction a pair
+                word = e2m1_pack8_io(y)
             word = cutlass.select_(ok, word, Uint32(0))
             j = s * LANES_PER_ROW + sub
             if valid:
