@@ -11,6 +11,7 @@ import re
 import pytest
 from attn_prologue.codegen.plan import make_plan
 from attn_prologue.formats import ElementCode, ScaleCode
+from attn_prologue.index_q import IndexQFlag
 from attn_prologue.launch import LaunchConfig
 from attn_prologue.variants import Conversions, Op, QOut, Variant
 
@@ -384,8 +385,13 @@ def test_index_q_accesses(built, v, key):
     assert _widths(meta, "ld") == {16, 64, 128}
     codes = _widths(meta, "st") | _widths(meta, "st.cs")
     assert codes == ({32, 8, 16} if mx else {64, 32, 16})
-    native = v.conversions is Conversions.NATIVE and mx
+    bits = max(cfg.folded_numerics, 0)  # (every index_q module is built folded to one preset's bits)
+    hadamard = bool(bits & IndexQFlag.HADAMARD)
+    native = v.conversions is Conversions.NATIVE and mx and not hadamard  # (ties down: software on every arch)
     assert (meta["ptx"]["cvt_e2m1x2"] >= 8) == native and (meta["ptx"]["cvt_e2m1x2"] > 0) == native
+    # the transform: 3 of its 7 butterfly stages cross lanes, 16 values a lane each; ties-down codes by fma.rp
+    assert ptx.count("shfl.sync.bfly") - (4 if mx else 3) == (48 if hadamard else 0)
+    assert ptx.count("fma.rp.f32") == (16 if hadamard and mx else 0)
     assert meta["ptx"]["cvt_ue8m0x2"] == 0
     assert (meta["ptx"]["cvt_e4m3x2"] > 0) == (not mx)
     checked, problems = address_problems(ptx)
