@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from attn_prologue import index_q
 from attn_prologue.codegen import build, generate
 from attn_prologue.codegen.variants import variant_space
 from attn_prologue.jit import compiler
 from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
-from attn_prologue.variants import DEFAULT_BUILD_TARGETS, Variant, parse_name
+from attn_prologue.variants import DEFAULT_BUILD_TARGETS, Op, Variant, parse_name
 
 from .support.build import ENTRIES, build_cli
 
@@ -121,6 +122,11 @@ def test_full_build_graph_is_complete(tmp_path):
         == len({(k.variant, k.target, k.config.key) for _, k in keys})
         == 332
         + sum(len(cs - {parse_name(v).arch.default_config}) for (v, _), cs in build.tuned_configs().items())
+        # an index_q module is built folded to each preset's bits instead of once (the defaults' one)
+        + sum(
+            len(build.folded_bits(v, index_q.PRESETS))
+            for v, _ in {(v, k.target) for v, k in keys if v.op is Op.INDEX_Q}
+        )
     )
     graph = root / "build" / "one" / "build.ninja"
     build.write_graph(KernelCache(root), keys, graph, jobs=2)

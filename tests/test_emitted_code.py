@@ -387,7 +387,9 @@ def test_index_q_accesses(built, v, key):
     assert codes == ({32, 8, 16} if mx else {64, 32, 16})
     bits = max(cfg.folded_numerics, 0)  # (every index_q module is built folded to one preset's bits)
     hadamard = bool(bits & IndexQFlag.HADAMARD)
-    native = v.conversions is Conversions.NATIVE and mx and not hadamard  # (ties down: software on every arch)
+    native = (
+        v.conversions is Conversions.NATIVE and mx and not hadamard
+    )  # (ties down: software on every arch)
     assert (meta["ptx"]["cvt_e2m1x2"] >= 8) == native and (meta["ptx"]["cvt_e2m1x2"] > 0) == native
     # the transform: 3 of its 7 butterfly stages cross lanes, 16 values a lane each; ties-down codes by fma.rp
     assert ptx.count("shfl.sync.bfly") - (4 if mx else 3) == (48 if hadamard else 0)
