@@ -23,7 +23,8 @@ def _signature(v: Variant, mxfp4: bool) -> list[Argument]:
         "q_out": f"make_fake_tensor(Uint8, (tokens, heads, {code_bytes}), ({row}, {code_bytes}, 1), assumed_align=16)",
         "q_scales": f"make_fake_tensor(Uint8, (tokens, heads, {d} // 32), (cute.sym_int64(divisibility=4), {d} // 32, 1), assumed_align=4)",
         "weights_out": "make_fake_tensor(Uint8, (tokens, cute.sym_int32()), (cute.sym_int64(divisibility=2), 1), assumed_align=2)",
-        "positions": "make_fake_compact_tensor(Int64, (tokens,), assumed_align=8)",
+        "positions": "make_fake_compact_tensor(Int32 if config.positions32 else Int64, (tokens,), "
+        "assumed_align=4 if config.positions32 else 8)",
         "cos_sin_cache": "make_fake_compact_tensor(Float32, (cute.sym_int32(), ROPE_DIM), stride_order=(1, 0), assumed_align=16)",
         "errors": "make_fake_compact_tensor(Int32, (2,), assumed_align=4)",
     }

@@ -236,12 +236,14 @@ class Runtime:
         written: int | None = None,
         config: LaunchConfig | None = None,
         slots32: bool = False,
+        positions32: bool = False,
         numerics: int | None = None,
         compress_ratio: int = 1,
         fold_numerics: bool = False,
     ) -> tuple[Launcher, ...]:
         """The launcher of every token-count bucket (index = bucket_index(n)); `config` forces one.
-        slots32: compiled for int32 slot ids (the same tuned configs, the other slot width). numerics:
+        slots32 / positions32: compiled for int32 slot ids / positions (the same tuned configs, the other
+        width). numerics:
         the calls' parity-choice bits (None: the format defaults'); a config that folds other bits
         serves them through another module (serving_config). fold_numerics: each bucket's config folded
         to these bits (compiled on first use where `build` did not), unless it fixes its own."""
@@ -258,7 +260,11 @@ class Runtime:
             configs = [c.folded_to(bits, v.default_numerics) for c in configs]
         return tuple(
             self.launcher(
-                v, self.serving_config(v, replace(c, slots32=slots32), bits, facts.target), facts.index
+                v,
+                self.serving_config(
+                    v, replace(c, slots32=slots32, positions32=positions32), bits, facts.target
+                ),
+                facts.index,
             )
             for c in configs
         )
@@ -275,7 +281,7 @@ class Runtime:
         for choice in (replace(twin, folded_numerics=bits), twin):
             if self.cache.has(KernelKey(v.name, choice, target)):
                 return choice
-        return replace(v.arch.default_config, slots32=c.slots32)
+        return replace(v.arch.default_config, slots32=c.slots32, positions32=c.positions32)
 
 
 def _index(device) -> int:

@@ -78,8 +78,8 @@ def check(
     mx = fmt == "mxfp4"
     _rows("q", q, (t, h, d), (q.dtype,), dev)
     _inner("q", q, 16)
-    _rows("positions", positions, (t,), (torch.int64,), dev)
-    _inner("positions", positions, 8)
+    _rows("positions", positions, (t,), (torch.int64, torch.int32), dev)
+    _inner("positions", positions, positions.element_size())
     if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[0] == 0:
         _fail("cos_sin_cache must be a float32 [max_pos, R] tensor with rows")
     _rows("cos_sin_cache", cos_sin_cache, (cos_sin_cache.shape[0], ROPE_DIM), (torch.float32,), dev)
@@ -126,7 +126,7 @@ def index_q_rope_quant(
     key = shape = None
     try:
         key = (Op.INDEX_Q, q.device, q.dtype, tuple(q.shape[1:]), fmt, weights_out.dtype, q_out.dtype,
-               numerics, checked, config, conversions)  # fmt: skip
+               numerics, checked, config, conversions, positions.dtype)  # fmt: skip
         shape = rt.calls.get(key)
     except (AttributeError, TypeError):
         pass
@@ -134,7 +134,9 @@ def index_q_rope_quant(
         q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales, fmt
     )
     if shape is None:
-        shape = _shape_calls(rt, request, q, weights_out, q_scales, numerics, checked, config, conversions)
+        shape = _shape_calls(
+            rt, request, q, weights_out, q_scales, numerics, checked, config, conversions, positions.dtype
+        )
         if key is not None:
             rt.calls[key] = shape
     n = q.shape[0]
@@ -149,7 +151,9 @@ def index_q_rope_quant(
        errors, ws, hs, *tail)  # fmt: skip
 
 
-def _shape_calls(rt, request, q, weights_out, q_scales, numerics, checked, config, conversions) -> tuple:
+def _shape_calls(
+    rt, request, q, weights_out, q_scales, numerics, checked, config, conversions, pos_dtype
+) -> tuple:
     """What a shape's calls share: the numerics bits, the error counters and, per token-count bucket, the
     kernel and its arguments after head_scale (the scales come with each call)."""
     bits = numerics_bits(_parse(numerics), request.io_dtype.value, request.cache_format)

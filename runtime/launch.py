@@ -54,6 +54,9 @@ class LaunchConfig:
     # one token, and each chunk's pieces of them land as one run (k = 16: 64 bytes) with no
     # shared-memory stage; a lane's chain is 32 / k times a 32-lane row's. Q modules only (Variant.q_lanes)
     q_lanes: int = 0
+    # int32 positions: the compiled signature takes positions as int32 (index_q only: SGLang's indexer passes
+    # int32 or int64; the runtime sets this for such callers, so one tuned config serves both widths)
+    positions32: bool = False
 
     def __post_init__(self):
         if self.warps_per_cta not in (1, 2, 4, 8, 16, 32):
@@ -115,12 +118,14 @@ class LaunchConfig:
             k += "_late"
         if self.q_lanes:
             k += f"_q{self.q_lanes}"
+        if self.positions32:
+            k += "_p32"
         return k
 
     @classmethod
     def from_key(cls, key: str) -> LaunchConfig:
         m = re.fullmatch(
-            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?(_d)?(?:_n(\d+))?(?:_r(\d+))?(_late)?(?:_q(\d+))?",
+            r"w(\d+)_u(\d+)_pdl([01])_nc([01])(?:_c(\d+))?(_spread)?(_cs)?(?:_m(\d+))?(_s32)?(_lq)?(_d)?(?:_n(\d+))?(?:_r(\d+))?(_late)?(?:_q(\d+))?(_p32)?",
             key,
         )
         if not m:
@@ -129,7 +134,7 @@ class LaunchConfig:
                 f"not a launch-config key: {key!r}"
                 + (f" (did you mean {close[0]}?)" if close else "")
                 + "; keys read w<warps per CTA>_u<passes per warp>_pdl<0|1>_nc<0|1>[_c<CTAs per SM>]"
-                "[_spread][_cs][_m<min CTAs per SM>][_s32][_lq][_d][_n<folded numerics bits>][_r<warps per KV row>][_late][_q<lanes per Q row>], e.g. w4_u1_pdl1_nc1_cs"
+                "[_spread][_cs][_m<min CTAs per SM>][_s32][_lq][_d][_n<folded numerics bits>][_r<warps per KV row>][_late][_q<lanes per Q row>][_p32], e.g. w4_u1_pdl1_nc1_cs"
             )
         return cls(
             int(m.group(1)),
@@ -147,6 +152,7 @@ class LaunchConfig:
             row_split=int(m.group(13) or 1),
             cos_sin_late=bool(m.group(14)),
             q_lanes=int(m.group(15) or 0),
+            positions32=bool(m.group(16)),
         )
 
     def as_dict(self) -> dict:

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import collections
 import re
+import subprocess
+import sys
 
 import pytest
+from attn_prologue import index_q
+from attn_prologue.codegen import build
 from attn_prologue.codegen.plan import make_plan
 from attn_prologue.formats import ElementCode, ScaleCode
 from attn_prologue.index_q import IndexQFlag
+from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.launch import LaunchConfig
-from attn_prologue.variants import Conversions, Op, QOut, Variant
+from attn_prologue.variants import Conversions, Op, QOut, Variant, parse_name
 
 from .support.build import ENTRIES, ENTRY_IDS, meta_of, ptx_of
 
@@ -403,3 +408,27 @@ def test_index_q_accesses(built, v, key):
     dims = dict(re.findall(rb"(\w+): Tensor\(\[(\w+)", spec.group(1)))
     tokens = {dims[n] for n in (b"q_in", b"weights", b"q_out", b"weights_out", b"positions")}
     assert len(tokens) == 1 and (not mx or dims[b"q_scales"] in tokens), spec.group(1)
+
+
+@pytest.mark.slow
+def test_index_q_takes_int32_positions_through_its_own_module(tmp_path):
+    """LaunchConfig.positions32 (SGLang's int32 positions): the compiled signature takes positions as int32,
+    loaded 32 bits wide, on SM90 and SM120 (every preset's folded module); the writers refuse the knob."""
+    cfg = LaunchConfig(warps_per_cta=4, pdl=True, non_coherent=True, streaming=True, positions32=True)
+    assert LaunchConfig.from_key(cfg.key) == cfg and cfg.key.endswith("_p32")
+    assert "int32 positions" in parse_name("kv_d128r64_fp8_token_bf16_sm90").refusal(cfg)
+    names = ("index_q_d128r64_mxfp4_bf16_sm90", "index_q_d128r64_fp8_token_bf16_sm120")
+    cmd = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir", str(tmp_path), "--targets",
+           "sm_90a,sm_120f", "--config", cfg.key, "--variants", *names]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    cache = KernelCache(tmp_path)
+    for name in names:
+        for bits in build.folded_bits(parse_name(name), index_q.PRESETS) | {0}:
+            key = KernelKey(name, cfg.folded_to(bits, 0), parse_name(name).arch.targets[0])
+            meta = cache.read_meta(key)
+            assert 32 in _widths(meta, "ld") and 64 not in _widths(meta, "ld"), meta["ptx"][
+                "global_access_bits"
+            ]
+            spec = _SIGNATURE.search((cache.entry_dir(key) / "kernel.so").read_bytes())
+            assert re.search(rb"positions: Tensor\(\[\w+\], int32\)", spec.group(1)), spec.group(1)

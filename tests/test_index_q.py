@@ -186,6 +186,22 @@ def test_function_writes_the_reference(fmt, dtype, numerics):
         assert torch.equal(scales, want[1])
 
 
+@pytest.mark.parametrize("numerics", [None, "sglang"])
+def test_int32_positions_give_the_int64_bytes(numerics):
+    """SGLang's indexer passes int32 or int64 positions: the same outputs either way (the kernel takes
+    them through a module compiled for int32, LaunchConfig.positions32; tests/gpu runs it)."""
+    a = inputs()
+    a["positions"][2] = 40  # outside the table: zeros, counted
+    got = {}
+    for dtype in (torch.int64, torch.int32):
+        codes, w, scales = outputs(6, 8, "mxfp4")
+        ap.index_q_rope_quant(**{**a, "positions": a["positions"].to(dtype)}, q_out=codes, weights_out=w,
+                              q_scales=scales, fmt="mxfp4", numerics=numerics)  # fmt: skip
+        got[dtype] = (codes, w, scales)
+    assert all(torch.equal(x, y) for x, y in zip(got[torch.int64], got[torch.int32]))
+    assert not got[torch.int32][0][2].any()
+
+
 def test_torch_compile_matches_eager():
     a = inputs()
     eager, compiled = outputs(6, 8, "fp8_token"), outputs(6, 8, "fp8_token")
@@ -219,9 +235,9 @@ def bad_calls():
         ("head dim", dict(q=torch.zeros(t, h, 64, dtype=torch.bfloat16)), UnsupportedError, "q has D=64"),
         (
             "positions dtype",
-            dict(positions=torch.zeros(t, dtype=torch.int32)),
+            dict(positions=torch.zeros(t, dtype=torch.int16)),
             InputError,
-            "positions must be torch.int64",
+            "positions must be torch.int64 or torch.int32",
         ),
         (
             "weights rows",

@@ -322,7 +322,7 @@ def fake_arguments(config):
         make_fake_tensor(Uint8, (tokens, heads, HEAD_DIM // 2), (cute.sym_int64(divisibility=16), HEAD_DIM // 2, 1), assumed_align=16),
         make_fake_tensor(Uint8, (tokens, heads, HEAD_DIM // 32), (cute.sym_int64(divisibility=4), HEAD_DIM // 32, 1), assumed_align=4),
         make_fake_tensor(Uint8, (tokens, cute.sym_int32()), (cute.sym_int64(divisibility=2), 1), assumed_align=2),
-        make_fake_compact_tensor(Int64, (tokens,), assumed_align=8),
+        make_fake_compact_tensor(Int32 if config.positions32 else Int64, (tokens,), assumed_align=4 if config.positions32 else 8),
         make_fake_compact_tensor(Float32, (cute.sym_int32(), ROPE_DIM), stride_order=(1, 0), assumed_align=16),
         make_fake_compact_tensor(Int32, (2,), assumed_align=4),
         Float32(1.0),

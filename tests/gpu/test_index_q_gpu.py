@@ -112,6 +112,20 @@ def test_every_launch_knob_gives_the_same_bytes(fmt, config):
 
 
 @pytest.mark.parametrize("fmt", ["fp8_token", "mxfp4"])
+@pytest.mark.parametrize("numerics", ["vllm", "sglang"])
+def test_int32_positions_run_their_own_module_to_the_same_bytes(fmt, numerics):
+    """SGLang's indexer passes int32 positions: a module compiled for them (LaunchConfig.positions32), a
+    token outside the table among them."""
+    cpu, dev = make(300, 64, torch.bfloat16, seed=13, bad_token=7)
+    dev["positions"] = dev["positions"].to(torch.int32)
+    out = poisoned(300, 64, fmt, torch.float32)
+    ap.index_q_rope_quant(
+        **dev, q_out=out[0], weights_out=out[1], q_scales=out[2], fmt=fmt, numerics=numerics
+    )
+    check(cpu, out, fmt, numerics, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_token", "mxfp4"])
 @pytest.mark.parametrize("engine", ["sglang", "tokenspeed"])
 def test_hadamard_presets_give_their_engine_references_bytes(engine, fmt):
     """The kernel against the engine-derived references themselves (index_q_hadamard: each rule cited from the
