@@ -168,6 +168,7 @@ def _shape_calls(
         config=config,
         numerics=bits,
         fold_numerics=True,
+        positions32=pos_dtype == torch.int32,
     )
     lead = ("q_in", "weights", "q_out", *(("q_scales",) if q_scales is not None else ()), "weights_out",
             "positions", "cos_sin_cache", "errors", "weights_scale", "head_scale")  # fmt: skip

@@ -319,12 +319,13 @@ class StandInRuntime:
     plumbing on the CPU: argument order, per-call scales, the shape's cached calls)."""
 
     def __init__(self):
-        self.calls, self.seen = {}, []
+        self.calls, self.seen, self.asked = {}, [], []
 
     def errors_buffer(self, device):
         return torch.zeros(2, dtype=torch.int32)
 
     def launchers(self, request, device, **kw):
+        self.asked.append(kw)
         v = parse_name(f"index_q_d128r64_{request.cache_format}_{request.io_dtype.value}_sm90")
 
         def fn(*args):
@@ -358,6 +359,21 @@ def test_the_kernel_path_passes_each_call_its_scales(fmt, numerics):
         assert torch.equal(codes, want[0]) and torch.equal(w, want[2])
         assert scales is None or torch.equal(scales, want[1])
     assert len(rt.calls) == 1 and len(rt.seen) == 2
+
+
+def test_the_kernel_path_asks_for_a_module_of_its_bits_and_positions_width():
+    """Each shape's launchers are asked folded to the call's bits and for int32 positions where given
+    (the GPU test that caught a call path which did not ask: test_int32_positions_run_their_own_module_...)."""
+    rt = StandInRuntime()
+    a = inputs()
+    for dtype in (torch.int64, torch.int32):
+        codes, w, _ = outputs(6, 8, "fp8_token")
+        ap.index_q_rope_quant(**{**a, "positions": a["positions"].to(dtype)}, q_out=codes, weights_out=w,
+                              numerics="sglang", runtime=rt)  # fmt: skip
+    assert [(k["positions32"], k["fold_numerics"], k["numerics"]) for k in rt.asked] == [
+        (False, True, numerics_bits("sglang")),
+        (True, True, numerics_bits("sglang")),
+    ]
 
 
 def test_the_float16_codes_keep_every_code_the_index_q_kernel_asks_of_them():
