@@ -130,6 +130,7 @@ def test_cache_key_changes_with_variant_config_and_target():
     configs = launch.all_configs()
     configs.append(launch.LaunchConfig(slots32=True))  # the caller's slot width (not swept by the tuner)
     configs.append(launch.LaunchConfig(folded_numerics=5))  # a build's folded parity choices (not swept)
+    configs.append(launch.LaunchConfig(positions32=True))  # index_q's caller's positions width (not swept)
     assert len(set(configs)) == len(configs)
     assert all(launch.LaunchConfig.from_key(c.key) == c for c in configs)
     assert len({c.key for c in configs}) == len(configs)
