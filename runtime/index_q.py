@@ -48,9 +48,8 @@ class IndexQFlag(enum.IntFlag):
     # fl(128^-0.5), rounded through bf16; the scale's amax floor is 1e-4 in both formats and its quotient a
     # division (amax / 448, amax / 6); E2M1 codes round ties toward zero and never store -0.
     HADAMARD = 8
-    TRITON_SM100_SUMS = (
-        16  # the transform's sums in TokenSpeed's Triton order on sm_100 (TRITON_SM100_STAGES)
-    )
+    # the transform's sums in TokenSpeed's Triton order on sm_100 (TRITON_SM100_STAGES)
+    TRITON_SM100_SUMS = 16
     TRITON_SM90_SUMS = 32  # ... on sm_90 (TRITON_SM90_STAGES); with TRITON_SM100_SUMS the latter wins
     ROPE_EVEN_FUSED = 64  # the odd term is fma(e, s, o*c) (SGLang), not fma(o, c, e*s)
     ROPE_UNFUSED = 128  # e*c - o*s and e*s + o*c, each product rounded (TokenSpeed's eager torch FP8 path)
@@ -59,9 +58,8 @@ class IndexQFlag(enum.IntFlag):
     # fp8: s = max(amax, 1e-4) / 448, not a power of two; codes RN(x * RN(1 / s)) clipped to +-448 (NaN to
     # +448); weights_out carries s (SGLang)
     FP8_LINEAR_SCALE = 1024
-    FP8_UNSCALED = (
-        2048  # fp8: no scale, the codes are the values' e4m3 (weights_out carries none; TokenSpeed)
-    )
+    # fp8: no scale, the codes are the values' e4m3 (weights_out carries none; TokenSpeed)
+    FP8_UNSCALED = 2048
     # mxfp4 with INF_SATURATES: the saturated block's inverse is 0, not 2^-127 (TokenSpeed's ex2.approx.ftz)
     INF_INVERSE_ZERO = 4096
 
@@ -224,9 +222,8 @@ def _mxfp4(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     floor = FP8_FLOOR if hadamard_rule else MXFP4_FLOOR
     e = _exponent_field(nx.nan_ignoring_amax(blocks), floor, nx.E2M1_MAX, hadamard_rule)
     inv = _pow2_from_field(254 - e)  # 2^(127 - e); -Inf for an Inf block (e = 255)
-    if (
-        bits & IndexQFlag.INF_SATURATES
-    ):  # ceil(log2) clamped to 127, and 1 / 2^127 the subnormal 2^-127 (or 0)
+    # saturated: ceil(log2) clamped to 127, and 1 / 2^127 the subnormal 2^-127 (or 0)
+    if bits & IndexQFlag.INF_SATURATES:
         e = e.clamp(max=254)
         top = 0.0 if bits & IndexQFlag.INF_INVERSE_ZERO else 2.0**-127
         inv = torch.where(e == 254, _f32(top), _pow2_from_field(254 - e))

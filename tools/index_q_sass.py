@@ -1,0 +1,55 @@
+"""SASS instructions of the index_q kernels per preset and format (CPU: compiled here, no GPU): a warp's unit
+of work (the arch default config, one pass of 32 / 8 = 4 rows) has no loop, so its instruction count is what
+one warp issues for 4 rows, and the most frequent opcodes say where they go (docs/index-q.md, Performance).
+
+    python tools/index_q_sass.py [--target sm_90a] [--json results/index-q-sass-cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+from attn_prologue.index_q import FORMATS, PRESETS, numerics_bits
+from attn_prologue.lab.provenance import provenance
+from attn_prologue.lab.sass_reader import disassemble, line_info_cubin
+from attn_prologue.variants import TARGETS, ArchFamily, parse_name
+
+
+def opcode(text: str) -> str:
+    words = text.split()
+    return (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+
+
+def count(target: str, preset: str, fmt: str) -> dict:
+    family = next(f for f in ArchFamily if target in f.targets)
+    v = parse_name(f"index_q_d128r64_{fmt}_bf16_{family.value}")
+    config = v.arch.default_config.folded_to(numerics_bits(preset, "bf16", fmt), v.default_numerics)
+    instrs, _ = disassemble(line_info_cubin(v.name, config, target))
+    ops = collections.Counter(opcode(i.text) for i in instrs)
+    return {"variant": v.name, "config": config.key, "preset": preset, "format": fmt,
+            "instructions": len(instrs), "top_opcodes": dict(ops.most_common(8))}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="sm_90a", choices=TARGETS)
+    parser.add_argument("--json", help="write the counts here, with the provenance")
+    args = parser.parse_args()
+    rows = [
+        count(args.target, preset, fmt)
+        for fmt in FORMATS
+        for preset, (_, dtypes, _) in PRESETS.items()
+        if "bf16" in dtypes
+    ]
+    for r in rows:
+        print(f"{r['format']:>9} {r['preset']:<11} {r['instructions']:4d} instructions  {r['top_opcodes']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"provenance": provenance(), "target": args.target, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
