@@ -277,6 +277,8 @@ class Variant:
             )
         if config.q_lanes not in self.q_lanes:
             return f"config {config.key} puts a Q row on {config.q_lanes} lanes; {self.name} takes q_lanes {self.q_lanes}"
+        if config.spread_kv and self.op is Op.INDEX_Q:
+            return f"config {config.key} spreads KV rows; {self.name} has none (index_q writes Q rows only)"
         if config.positions32 and self.op is not Op.INDEX_Q:
             return f"config {config.key} takes int32 positions; only the index_q modules do ({self.name} takes int64)"
         return None

@@ -32,7 +32,9 @@ PRESETS = (
 )  # (the engines' default kernels; sglang and tokenspeed add the transform)
 
 
-def input_sets(t: int, fmt: str, sets: int, numerics: str = "vllm") -> list[dict]:
+def input_sets(
+    t: int, fmt: str, sets: int, numerics: str = "vllm", heads: int = HEADS, dtype=torch.bfloat16
+) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(1234)
     theta = torch.rand(MAX_POS, R // 2, device="cuda", generator=g) * 6.28
     cos_sin = torch.cat((theta.cos(), theta.sin()), 1).contiguous()
@@ -40,14 +42,14 @@ def input_sets(t: int, fmt: str, sets: int, numerics: str = "vllm") -> list[dict
     for _ in range(sets):
         mx = fmt == "mxfp4"
         out.append(dict(
-            q=torch.randn(t, HEADS, D, device="cuda", generator=g).bfloat16(),
+            q=torch.randn(t, heads, D, device="cuda", generator=g).to(dtype),
             positions=torch.randint(0, MAX_POS, (t,), device="cuda", generator=g),
             cos_sin_cache=cos_sin,
-            weights=torch.randn(t, HEADS, device="cuda", generator=g).bfloat16(),
-            softmax_scale=D**-0.5, head_scale=HEADS**-0.5,
-            q_out=torch.empty(t, HEADS, D // 2 if mx else D, dtype=torch.uint8, device="cuda"),
-            weights_out=torch.empty(t, HEADS, device="cuda"),
-            q_scales=torch.empty(t, HEADS, D // 32, dtype=torch.uint8, device="cuda") if mx else None,
+            weights=torch.randn(t, heads, device="cuda", generator=g).to(dtype),
+            softmax_scale=D**-0.5, head_scale=heads**-0.5,
+            q_out=torch.empty(t, heads, D // 2 if mx else D, dtype=torch.uint8, device="cuda"),
+            weights_out=torch.empty(t, heads, device="cuda"),
+            q_scales=torch.empty(t, heads, D // 32, dtype=torch.uint8, device="cuda") if mx else None,
             fmt=fmt, numerics=numerics,
         ))  # fmt: skip
     return out
@@ -65,6 +67,19 @@ def run_one(t: int, fmt: str, replays: int, numerics: str = "vllm") -> dict:
     target = TARGET_LARGE if t >= 2048 else TARGET_SMALL if t <= 64 else None
     return {"tokens": t, "heads": HEADS, "fmt": fmt, "numerics": numerics, "bytes": nbytes, "op": op, "copy": copy,
             "of_copy": ratio, "target": target, "met": None if target is None else ratio >= target}  # fmt: skip
+
+
+def time_config(fmt: str, dtype, config, t: int, heads: int, replays: int) -> float:
+    """Median microseconds of one call of T = t under `config` (the default bits, vLLM's), cold L2: the
+    tuner's timing."""
+    nbytes = min_bytes(t, fmt, heads)
+    nsets = sets_for_bytes(nbytes)
+    sets = input_sets(t, fmt, nsets, numerics=None, heads=heads, dtype=dtype)
+    est_us = max(2.0, nbytes / 4e6)  # ~30 ms of GPU time per measurement, as tune.time_config
+    calls = max(nsets, min(20, int(3000 / est_us) + 1))
+    reps = max(3, min(replays, int(30000 / (est_us * calls)) + 1))
+    fns = [functools.partial(index_q_ops.index_q_rope_quant, **s, config=config) for s in sets]
+    return graph_time_us(fns, replays=reps, calls_per_graph=calls)["median_us"]
 
 
 def run(args) -> int:

@@ -12,7 +12,6 @@ import torch
 from .. import dispatch, tuning
 from ..errors import InputError
 from ..formats import ScaleCode, get_format
-from ..launch import all_configs
 from ..parity import NumericsError
 from ..variants import generated, parse_name
 from . import bench, bench_index_q, plots, shape_sets, simulate, targets, tune
@@ -153,13 +152,9 @@ def run_tune(args) -> int:
             raise InputError(f"tune --like {args.like}: {exc}") from None
     else:
         followed = None
-        if args.configs:
-            configs = list(args.configs)
-        else:
-            configs = all_configs() if args.space == "full" else list(tune.DEFAULT_SPACE)
-        configs.append(default)  # the heuristic's choice is always a candidate (prune drops a repeat)
+        # each variant's space (index_q's knobs are its own), the heuristic's choice always among them
         buckets = args.buckets or tuning.default_buckets(args.max_tokens)
-        configs = dict.fromkeys(names, tune.prune(configs))
+        configs = {n: tune.prune([*(args.configs or tune.space_for(n, args.space)), default]) for n in names}
         plan = [tune.SweepPlan(args.heads, args.padded_heads, args.compress_ratio, tuple(buckets), configs)]
     origin = provenance()
     env = tuning.current_environment()

@@ -17,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import dispatch, tuning
+from ..index_q import numerics_bits
 from ..jit.kernel_cache import KernelCache, KernelKey
-from ..launch import LaunchConfig
-from ..variants import QOut, parse_name
-from . import bench
+from ..launch import LaunchConfig, all_configs
+from ..variants import Op, QOut, parse_name
+from . import bench, bench_index_q
 from .timing import graph_time_us
 
 # The default sweep: the knobs that won somewhere on the H200. Persistent grids never did (--space
@@ -83,6 +84,32 @@ DEFAULT_SPACE = (
         for cs in (False, True)
     ]
 )
+
+# index_q's knobs (templates/index_q.py.jinja): warps, passes, PDL, the non-coherent and streaming loads
+# (no KV rows to spread, no quantization choice to lean, no cos/sin rows to load late)
+INDEX_Q_SPACE = [
+    LaunchConfig(w, u, pdl, nc, streaming=cs)
+    for w in (2, 4, 8, 16)
+    for u in (1, 2, 4)
+    for pdl in (True, False)
+    for nc in (True, False)
+    for cs in (True, False)
+]
+
+
+def space_for(variant: str, space: str = "default") -> list[LaunchConfig]:
+    """The configs `tune` sweeps for `variant` by default (`space`: "default" or "full")."""
+    if parse_name(variant).op is Op.INDEX_Q:
+        return list(INDEX_Q_SPACE)
+    return all_configs() if space == "full" else list(DEFAULT_SPACE)
+
+
+def module_timed(variant: str, config: LaunchConfig) -> LaunchConfig:
+    """The module a timing of `config` runs: an index_q call runs its config folded to its bits (the tuner
+    times the defaults', vLLM's); the entry keeps `config`, which serving folds to each call's bits."""
+    if parse_name(variant).op is Op.INDEX_Q:
+        return config.folded_to(numerics_bits(None), parse_name(variant).default_numerics)
+    return config
 
 
 def prune(configs: list[LaunchConfig]) -> list[LaunchConfig]:
@@ -172,10 +199,13 @@ def run(
     with cf.ProcessPoolExecutor(
         max_workers=jobs or max(1, min(8, (multiprocessing.cpu_count() or 2) - 1)), mp_context=ctx
     ) as pool:
-        futures = [pool.submit(_compile_job, str(cache.root), v, c.key, target) for v, c in work]
+        futures = {
+            pool.submit(_compile_job, str(cache.root), v, module_timed(v, c).key, target): c for v, c in work
+        }
         for fut in cf.as_completed(futures):
-            variant, key, err = fut.result()
-            config = LaunchConfig.from_key(key)
+            variant, _, err = fut.result()
+            config = futures[fut]
+            key = config.key
             for b in buckets:
                 us = math.inf
                 if err is None:
@@ -203,6 +233,9 @@ def run(
 def time_config(
     variant: str, config: LaunchConfig, n: int, *, h: int, p: int, replays: int, compress_ratio: int = 1
 ) -> float:
+    v = parse_name(variant)
+    if v.op is Op.INDEX_Q:
+        return bench_index_q.time_config(v.cache_format, v.io_dtype.torch_dtype, config, n, h, replays)
     shape = shape_for(variant, n, h, p, compress_ratio=compress_ratio)
     nsets = bench.sets_for_cold_l2(shape)
     sets = bench.input_sets(shape, nsets)
