@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from . import torch_op  # noqa: F401  (registers torch.ops.attn_prologue.*)
 from .api import BoundKvOp, BoundOp, bind, bind_kv
+from .bound_index_q import BoundIndexQOp, bind_index_q
 from .codecs import decode_cache
 from .dispatch import Runtime, default_runtime
 from .errors import AttnPrologueError, InputError, RegistrationError, ScratchError, UnsupportedError
@@ -18,6 +19,7 @@ from .scratch import ScratchPool
 __all__ = [
     "FORMATS",
     "AttnPrologueError",
+    "BoundIndexQOp",
     "BoundKvOp",
     "BoundOp",
     "InputError",
@@ -28,6 +30,7 @@ __all__ = [
     "ScratchPool",
     "UnsupportedError",
     "bind",
+    "bind_index_q",
     "bind_kv",
     "decode_cache",
     "default_runtime",

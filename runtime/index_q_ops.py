@@ -134,9 +134,8 @@ def index_q_rope_quant(
         q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales, fmt
     )
     if shape is None:
-        shape = _shape_calls(
-            rt, request, q, weights_out, q_scales, numerics, checked, config, conversions, positions.dtype
-        )
+        shape = shape_calls(rt, request, q.device, q.shape[1], weights_out.dtype, numerics, checked, config,
+                            conversions, positions.dtype)  # fmt: skip
         if key is not None:
             rt.calls[key] = shape
     n = q.shape[0]
@@ -151,8 +150,8 @@ def index_q_rope_quant(
        errors, ws, hs, *tail)  # fmt: skip
 
 
-def _shape_calls(
-    rt, request, q, weights_out, q_scales, numerics, checked, config, conversions, pos_dtype
+def shape_calls(
+    rt, request, device, heads, weights_dtype, numerics, checked, config, conversions, pos_dtype
 ) -> tuple:
     """What a shape's calls share: the numerics bits, the error counters and, per token-count bucket, the
     kernel and its arguments after head_scale (the scales come with each call)."""
@@ -162,20 +161,20 @@ def _shape_calls(
     # (each index_q kernel is compiled for its calls' bits: the branches of the others fold away)
     launchers = rt.launchers(
         request,
-        q.device,
-        heads=q.shape[1],
-        written=q.shape[1],
+        device,
+        heads=heads,
+        written=heads,
         config=config,
         numerics=bits,
         fold_numerics=True,
         positions32=pos_dtype == torch.int32,
     )
-    lead = ("q_in", "weights", "q_out", *(("q_scales",) if q_scales is not None else ()), "weights_out",
-            "positions", "cos_sin_cache", "errors", "weights_scale", "head_scale")  # fmt: skip
+    lead = ("q_in", "weights", "q_out", *(("q_scales",) if request.cache_format == "mxfp4" else ()),
+            "weights_out", "positions", "cos_sin_cache", "errors", "weights_scale", "head_scale")  # fmt: skip
     values = dict(
-        weights_bf16=int(weights_out.dtype == torch.bfloat16), numerics=bits, checked=int(bool(checked))
+        weights_bf16=int(weights_dtype == torch.bfloat16), numerics=bits, checked=int(bool(checked))
     )
-    return bits, rt.errors_buffer(q.device), tuple((la.fn, la.tail(lead, **values)) for la in launchers)
+    return bits, rt.errors_buffer(device), tuple((la.fn, la.tail(lead, **values)) for la in launchers)
 
 
 def _parse(numerics):

@@ -1,7 +1,8 @@
 """Eager host time per call as a ratio to torch's own `x.add_(1)`, all in one process.
 
 T = 1, H = P = 64, D = 512, fp8_ds_mla, block 64. For qnorm_rope_kv_insert and kv_rope_insert:
-the one-call function, the bound op (zero-once scratch from a locked pool) and the torch op; and
+the one-call function, the bound op (zero-once scratch from a locked pool) and the torch op (and the
+same three of index_q_rope_quant, H = 64, D = 128, FP8, with no target of their own); and
 the breakdown of the qkv call: the compiled kernel called alone through TVM-FFI with prebuilt
 arguments (launch path + TVM-FFI's tensor conversion), and the native plan called alone (our C
 checks + the launch path) and with its kernel replaced by a no-op TVM-FFI C function
@@ -134,6 +135,11 @@ def main() -> int:
     pool.lock()
     bound = ap.bind(num_heads=h, padded_heads=p, head_dim=d, rope_dim=64, block_size=bs, pool=pool)
     bound_kv = ap.bind_kv(head_dim=d, rope_dim=64, block_size=bs)
+    # the indexer's Q (H = 64, D = 128, FP8): no targets of its own; here for the bound op's gain
+    iq = torch.randn(1, h, 128, device="cuda", generator=g).bfloat16()
+    iw, icodes = iq[:, :, 0].contiguous(), torch.zeros(1, h, 128, device="cuda", dtype=torch.uint8)
+    iw_out = torch.zeros(1, h, device="cuda")
+    bound_iq = ap.bind_index_q(num_heads=h, softmax_scale=0.088, head_scale=0.125)
     x = torch.zeros(16, device="cuda")
     qkv_op, kv_op = torch.ops.attn_prologue.qnorm_rope_kv_insert, torch.ops.attn_prologue.kv_rope_insert
     qkv_default = qkv_op.default  # the overload itself: no overload resolution per call
@@ -148,6 +154,9 @@ def main() -> int:
         "one-call kv function": lambda: ap.kv_rope_insert(kv, k_cache, slots, pos, cs, bs),
         "bound kv op": lambda: bound_kv(kv, k_cache, slots, pos, cs),
         "torch kv op": lambda: kv_op(kv, k_cache, slots, pos, cs, bs),
+        "one-call index_q function": lambda: ap.index_q_rope_quant(iq, pos, cs, iw, 0.088, 0.125, icodes, iw_out),
+        "bound index_q op": lambda: bound_iq(iq, pos, cs, iw, icodes, iw_out),
+        "index_q torch op": lambda: torch.ops.attn_prologue.index_q_rope_quant(iq, pos, cs, iw, 0.088, 0.125, icodes, iw_out),
         "kernel alone (TVM-FFI, prebuilt arguments)": lambda: fn(q_in, kv, q_out, k_cache, slots, pos, cs, *tail),
     }  # fmt: skip
     if shape.native is not None:
