@@ -13,7 +13,7 @@ from .support import imports as im
 DATA = {"errors", "env", "parity", "presets", "formats", "launch", "variants", "numerics", "codecs", "reference",
         "index_q", "index_q_hadamard"}  # fmt: skip
 SERVING = {
-    "tuning", "scratch", "validate", "overlap", "binding", "bound_kv", "launcher", "selftest", "dispatch", "ops", "api", "torch_op",
+    "tuning", "scratch", "validate", "overlap", "binding", "bound_kv", "bound_index_q", "launcher", "selftest", "dispatch", "ops", "api", "torch_op",
     "index_q_ops", "selftest_index_q",
     "compat",  # other engines' schemas on top of the serving API: nothing of ours imports it
     "plugins",  # engine plugins on top of the serving API, loaded by the engines' entry points only
