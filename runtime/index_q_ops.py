@@ -17,7 +17,7 @@ import torch
 
 from . import overlap
 from .dispatch import CPU_ERRORS, MAX_BUCKET_LOG2, Runtime, default_runtime
-from .errors import UnsupportedError
+from .errors import InputError, UnsupportedError
 from .index_q import FORMATS, MXFP4_BLOCK, host_scales, index_q_reference, numerics_bits
 from .torch_op import _library, check_traced, lazy_bits_kernel, refuse_meta
 from .validate import _check_tensor, _fail
@@ -126,38 +126,30 @@ def index_q_rope_quant(
     key = shape = None
     try:
         key = (Op.INDEX_Q, q.device, q.dtype, tuple(q.shape[1:]), fmt, weights_out.dtype, q_out.dtype,
-               numerics, checked, config, conversions, positions.dtype)  # fmt: skip
+               numerics, checked, config, conversions)  # fmt: skip
         shape = rt.calls.get(key)
     except (AttributeError, TypeError):
         pass
-    request = check(
-        q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales, fmt
-    )
-    if shape is None:
-        shape = shape_calls(rt, request, q.device, q.shape[1], weights_out.dtype, numerics, checked, config,
-                            conversions, positions.dtype)  # fmt: skip
+    if shape is None:  # the first call of a shape: every rule, then the shape's calls
+        request = check(
+            q, positions, cos_sin_cache, weights, softmax_scale, head_scale, q_out, weights_out, q_scales, fmt
+        )
+        if conversions is not None:
+            request = Request(**{**request.__dict__, "conversions": Conversions(conversions)})
+        shape = IndexQCalls(request, q.device, q.shape[1], weights_out.dtype, numerics, checked, config, rt)
         if key is not None:
             rt.calls[key] = shape
-    n = q.shape[0]
-    if n == 0:
-        return
-    bits, errors, calls = shape
-    fn, tail = calls[min((n - 1).bit_length(), MAX_BUCKET_LOG2)]
-    # the scales are per call; every other argument is the shape's
-    ws, hs = host_scales(softmax_scale, head_scale, bits)
-    scales = () if q_scales is None else (q_scales.view(torch.uint8),)
-    fn(q, weights, q_out.view(torch.uint8), *scales, weights_out.view(torch.uint8), positions, cos_sin_cache,
-       errors, ws, hs, *tail)  # fmt: skip
+    else:
+        check_scales(softmax_scale, head_scale)
+    # the scales are per call; the shape's calls check the tensors (a full check when their geometry changes)
+    shape.run((q, positions, cos_sin_cache, weights, q_out, weights_out, q_scales),
+              host_scales(softmax_scale, head_scale, shape.bits))  # fmt: skip
 
 
-def shape_calls(
-    rt, request, device, heads, weights_dtype, numerics, checked, config, conversions, pos_dtype
-) -> tuple:
+def shape_calls(rt, request, device, heads, weights_dtype, numerics, checked, config, pos_dtype) -> tuple:
     """What a shape's calls share: the numerics bits, the error counters and, per token-count bucket, the
     kernel and its arguments after head_scale (the scales come with each call)."""
     bits = numerics_bits(_parse(numerics), request.io_dtype.value, request.cache_format)
-    if conversions is not None:
-        request = Request(**{**request.__dict__, "conversions": Conversions(conversions)})
     # (each index_q kernel is compiled for its calls' bits: the branches of the others fold away)
     launchers = rt.launchers(
         request,
@@ -175,6 +167,117 @@ def shape_calls(
         weights_bf16=int(weights_dtype == torch.bfloat16), numerics=bits, checked=int(bool(checked))
     )
     return bits, rt.errors_buffer(device), tuple((la.fn, la.tail(lead, **values)) for la in launchers)
+
+
+# the byte alignment each tensor's start needs, in call order (index_q_ops.check; 0: the element size),
+# and which of them the op writes
+_ALIGN = (16, 0, 16, 2, 16, 0, 4)  # q, positions, cos_sin_cache, weights, q_out, weights_out, q_scales
+
+
+class IndexQCalls:
+    """One shape's calls (device, dtypes, heads, format, numerics): per positions width and token-count
+    bucket the kernel and its trailing arguments, the last accepted geometry, and the per-call check.
+    The bound op and the one-call function both run through `run`."""
+
+    def __init__(self, request, device, num_heads, weights_dtype, numerics, checked, config, runtime):
+        self._rt, self._request, self.device, self.num_heads = runtime, request, device, num_heads
+        self.fmt, self.weights_dtype = request.cache_format, weights_dtype
+        self.dtype = request.io_dtype.torch_dtype
+        self._args = (numerics, checked, config)
+        self._calls_by_dtype: dict = {}
+        self._use_positions(torch.int64)  # loads (and self-tests) now: errors before any call
+        self._accepted = None  # per tensor, what the last call the full check accepted had (_full_check)
+
+    def _use_positions(self, dtype) -> None:
+        calls = self._calls_by_dtype.get(dtype)
+        if calls is None:
+            calls = self._calls_by_dtype[dtype] = shape_calls(
+                self._rt, self._request, self.device, self.num_heads, self.weights_dtype, *self._args, dtype
+            )  # fmt: skip
+        self.bits, self.errors, self._calls = calls
+
+    def run(self, tensors: tuple, scales: tuple) -> None:
+        """Write the outputs of `tensors` (q, positions, cos_sin_cache, weights, q_out, weights_out, q_scales)
+        with the kernels' (weights_scale, head_scale). The full check runs unless the tensors have the last
+        accepted call's geometry (shapes but T, strides, dtypes, devices, no lazy negation, no output that
+        requires grad), aligned starts and written ranges that meet nothing else (on ints)."""
+        q, positions, cos_sin_cache, weights, q_out, weights_out, q_scales = tensors
+        try:
+            n = q.shape[0]
+            ok = self._per_call_ok(tensors, n)
+        except (AttributeError, TypeError, IndexError):  # not tensors: the full check names the argument
+            ok = False
+        if not ok:
+            self._full_check(*tensors)
+            n = q.shape[0]
+        if n == 0:
+            return
+        fn, tail = self._calls[min((n - 1).bit_length(), MAX_BUCKET_LOG2)]  # bucket_index(n), inlined
+        codes = q_out if q_out.dtype is torch.uint8 else q_out.view(torch.uint8)
+        if q_scales is None:
+            fn(q, weights, codes, weights_out.view(torch.uint8), positions, cos_sin_cache, self.errors, *scales,
+               *tail)  # fmt: skip
+        else:
+            fn(q, weights, codes, q_scales, weights_out.view(torch.uint8), positions, cos_sin_cache, self.errors,
+               *scales, *tail)  # fmt: skip
+
+    def _full_check(self, q, positions, cos_sin_cache, weights, q_out, weights_out, q_scales) -> None:
+        self._accepted = None
+        check(q, positions, cos_sin_cache, weights, 1.0, 1.0, q_out, weights_out, q_scales, self.fmt)
+        for t, name, dtype in ((q, "q", self.dtype), (weights_out, "weights_out", self.weights_dtype)):
+            if t.dtype != dtype or t.device != self.device or t.shape[1] != self.num_heads:
+                raise InputError(
+                    f"{name} must be {dtype} [T, {self.num_heads}, ...] on {self.device} for this bound op, got "
+                    f"{t.dtype} {list(t.shape)} on {t.device}"
+                )
+        self._use_positions(positions.dtype)
+        # per tensor: whether it has T rows, its sizes (after T), strides, dtype, device, start alignment,
+        # bytes between token rows and bytes of a row (cos_sin_cache: 0 and the table's bytes)
+        self._accepted = tuple(
+            None if t is None else (
+                i != 2, tuple(t.shape[1:] if i != 2 else t.shape), t.stride(), t.dtype, t.get_device(),
+                _ALIGN[i] or t.element_size(),
+                *((t.stride(0) * t.element_size(), _row_bytes(t)) if i != 2 else (0, overlap.byte_range(t)[1] - t.data_ptr())),
+            )
+            for i, t in enumerate((q, positions, cos_sin_cache, weights, q_out, weights_out, q_scales))
+        )  # fmt: skip
+
+    def _per_call_ok(self, tensors, n: int) -> bool:
+        """What the full check would say of a call, on ints, where it can say it without the full check."""
+        accepted = self._accepted
+        if accepted is None:
+            return False
+        ranges = []
+        for t, a in zip(tensors, accepted):
+            if t is None or a is None:
+                if t is not a:
+                    return False
+                continue
+            per_token, sizes, strides, dtype, device, align, step, row = a
+            if (t.dtype is not dtype or t.stride() != strides or t.get_device() != device or t.is_neg()
+                    or t.shape != ((n, *sizes) if per_token else sizes)):  # fmt: skip
+                return False
+            p = t.data_ptr()
+            if p % align or step < 0:  # (a negative token stride: the full check decides each call)
+                return False
+            ranges.append((p, p + ((n - 1) * step + row if n else 0) if per_token else p + row))
+        q_scales = tensors[6]
+        if (tensors[4].requires_grad or tensors[5].requires_grad or q_scales is not None and q_scales.requires_grad) \
+                and torch.is_grad_enabled():  # fmt: skip
+            return False
+        for i in range(4, len(ranges)):  # the written ones: q_out, weights_out (and q_scales)
+            a0, a1 = ranges[i]
+            for j, (b0, b1) in enumerate(ranges):
+                if j != i and a0 < b1 and b0 < a1:
+                    return False
+        return True
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    """The bytes one token row of t spans (its sizes and strides after the first)."""
+    if any(size == 0 for size in t.shape[1:]):
+        return 0
+    return (sum((size - 1) * abs(st) for size, st in zip(t.shape[1:], t.stride()[1:])) + 1) * t.element_size()
 
 
 def _parse(numerics):

@@ -5,6 +5,9 @@ writes nothing; a cached geometry skips the full check; bind-time errors come be
 
 from __future__ import annotations
 
+import functools
+import types
+
 import attn_prologue as ap
 import pytest
 import torch
@@ -53,7 +56,7 @@ def test_bound_calls_write_the_reference_over_varying_token_counts(fmt, numerics
         want = index_q_reference(*a.values(), *scales, fmt, numerics)
         assert torch.equal(codes, want[0]) and torch.equal(w, want[2]), (t, pos_dtype)
         assert q_scales is None or torch.equal(q_scales, want[1])
-    widths = [k["positions32"] for k in op._rt.asked]
+    widths = [k["positions32"] for k in op._shape._rt.asked]
     assert widths == [False, True]  # one set of calls per positions width, asked once each
 
 
@@ -100,19 +103,30 @@ def refusals(a, t):
                       "q_out": codes[:, :4], "weights_out": w[:, :4]}  # fmt: skip
 
 
-@pytest.mark.parametrize("case", range(8))
-def test_a_refused_call_on_a_cached_geometry_writes_nothing(case):
-    op = bound()
+# (the function takes any head count: the last case, another head count, is a refusal of the bound op only)
+@pytest.mark.parametrize(
+    "case, entry", [(c, "bound op") for c in range(8)] + [(c, "function") for c in range(7)]
+)
+def test_a_refused_call_on_a_cached_geometry_writes_nothing(case, entry):
+    """Both entry points run the same per-call check (index_q_ops.IndexQCalls)."""
     t = 5
-    a, _ = call_args(t, 0)
+    a, scales = call_args(t, 0)
+    if entry == "bound op":
+        op = bound()
+    else:
+        rt = StandInRuntime()
+        op = functools.partial(
+            ap.index_q_rope_quant, softmax_scale=scales[0], head_scale=scales[1], runtime=rt
+        )
+        op._shape = types.SimpleNamespace(_rt=rt)
     codes, w, _ = outputs(t, H, "fp8_token")
     op(**a, q_out=codes, weights_out=w)  # the geometry is now cached
     what, bad = list(refusals(a, t))[case]
     written = [v.clone() for k, v in bad.items() if k in ("q_out", "weights_out")] + [a["q"].clone()]
-    launched = len(op._rt.seen)
+    launched = len(op._shape._rt.seen)
     with pytest.raises(InputError, match=what):
         op(**bad)
-    assert len(op._rt.seen) == launched
+    assert len(op._shape._rt.seen) == launched
     after = [v for k, v in bad.items() if k in ("q_out", "weights_out")] + [a["q"]]
     for before, now in zip(written, after, strict=True):
         assert torch.equal(before.view(torch.uint8), now.detach().view(torch.uint8)), what

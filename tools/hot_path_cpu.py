@@ -4,7 +4,8 @@ replaced by a Python no-op (tests/support/stub_kernels.py), so what is timed is 
 
     python tools/hot_path_cpu.py [--against REV] [--tokens 1] [--loops 15] [--calls 5000] [--json out.json]
 
-T=1, H=16, P=64, D=512, fp8_ds_mla, block 64; min and median over interleaved loops, on the same
+T=1, H=16, P=64, D=512, fp8_ds_mla, block 64 (and index_q_rope_quant's function and bound op, H=64,
+D=128, FP8, as ratios to `x.add_(1)` on a CPU tensor timed with them); min and median over interleaved loops, on the same
 tensors every call (what a benchmark loop does) and on fresh q_in, kv, slot_mapping and positions
 every call (what eager serving does: the inputs come from the layer before). With --against, ops.py
 and api.py of that git revision are loaded beside the working tree's and timed interleaved with them,
@@ -29,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.support
 
 import torch  # noqa: E402
-from attn_prologue import api, ops  # noqa: E402
+from attn_prologue import api, index_q_ops, ops  # noqa: E402
+from attn_prologue.dispatch import MAX_BUCKET_LOG2  # noqa: E402
 from attn_prologue.lab.provenance import provenance  # noqa: E402
 
 from tests.support import stub_kernels  # noqa: E402
@@ -89,6 +91,49 @@ def cases(ops_mod, api_mod, tag: str, n: int) -> dict:
     }
 
 
+def index_q_cases(n: int) -> dict:
+    """index_q_rope_quant's one-call function and bound op (H = 64, D = 128, FP8) with the kernel replaced by
+    the no-op, and torch's `x.add_(1)` on a CPU tensor as the yardstick."""
+    from attn_prologue import bound_index_q
+    from attn_prologue.launcher import Launcher
+    from attn_prologue.variants import parse_name
+
+    class NoopRuntime(stub_kernels.StubRuntime):
+        def launchers(self, request, device=None, **_):
+            v = parse_name(f"index_q_d128r64_{request.cache_format}_{request.io_dtype.value}_sm90")
+            return (Launcher(v, v.arch.default_config, "sm_90a", 0, noop, 1),) * (MAX_BUCKET_LOG2 + 1)
+
+    g, h, rt = torch.Generator().manual_seed(1), 64, NoopRuntime(noop)
+
+    def tensors():
+        return (
+            torch.randn(n, h, 128, generator=g).bfloat16(),
+            torch.arange(n),
+            torch.randn(n, h, generator=g).bfloat16(),
+        )
+
+    same, fresh = tensors(), [tensors() for _ in range(64)]
+    cos_sin, codes, w_out = torch.rand(4096, R), torch.zeros(n, h, 128, dtype=torch.uint8), torch.zeros(n, h)
+    real = bound_index_q.bind_device
+    bound_index_q.bind_device = lambda device, what: torch.device("cpu")  # the stand-in runs on CPU tensors
+    try:
+        op = bound_index_q.bind_index_q(num_heads=h, softmax_scale=0.088, head_scale=0.125, runtime=rt)
+    finally:
+        bound_index_q.bind_device = real
+    x, it = torch.zeros(16), iter(range(1 << 62))
+
+    def one_call(t):
+        index_q_ops.index_q_rope_quant(t[0], t[1], cos_sin, t[2], 0.088, 0.125, codes, w_out, runtime=rt)
+
+    return {
+        "x.add_(1)": lambda: x.add_(1),
+        "index_q function, same inputs": lambda: one_call(same),
+        "index_q function, fresh inputs": lambda: one_call(fresh[next(it) % 64]),
+        "index_q bound op, same inputs": lambda: op(same[0], same[1], cos_sin, same[2], codes, w_out),
+        "index_q bound op, fresh inputs": lambda: (t := fresh[next(it) % 64]) and op(t[0], t[1], cos_sin, t[2], codes, w_out),
+    }  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--against", help="a git revision to time interleaved with the working tree")
@@ -98,7 +143,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the samples, the machine and the provenance here")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    timed = cases(ops, api, "(working tree)", args.tokens)
+    timed = cases(ops, api, "(working tree)", args.tokens) | index_q_cases(args.tokens)
     if args.against:
         timed |= cases(load_revision(args.against, "ops"), load_revision(args.against, "api"),
                        f"({args.against})", args.tokens)  # fmt: skip
@@ -111,8 +156,10 @@ def main() -> int:
             for _ in range(args.calls):
                 call()
             samples[name].append((time.perf_counter() - t0) / args.calls * 1e6)
+    base = statistics.median(samples["x.add_(1)"])
     for name, s in samples.items():
-        print(f"{name:58s} min {min(s):6.3f} us  median {statistics.median(s):6.3f} us")
+        print(f"{name:58s} min {min(s):6.3f} us  median {statistics.median(s):6.3f} us"
+              f"  ({statistics.median(s) / base:.2f}x x.add_(1))")  # fmt: skip
     added = {}
     if args.against:
         print(f"\nworking tree minus {args.against}:")
