@@ -269,9 +269,15 @@ def test_shipped_database_loads_and_names_valid_configs():
     def shapes(gpu):
         return {(e["variant"], e["bucket"], *tuning.entry_shape(e)) for e in db.entries if e["gpu"] == gpu}
 
-    # the H100's entries were re-timed from the H200's (tune --like): one for each of its shapes
+    # the H100's entries were re-timed from the H200's (tune --like): one for each of its shapes; and the
+    # H100 alone has the index_q modules' sweep (every bucket of both bf16 formats; no H200 has run it)
     assert {e["gpu"] for e in db.entries} == {"NVIDIA H200", "NVIDIA H100 80GB HBM3"}
-    assert shapes("NVIDIA H100 80GB HBM3") == shapes("NVIDIA H200")
+    h100 = shapes("NVIDIA H100 80GB HBM3")
+    index_q = {s for s in h100 if s[0].startswith("index_q_")}
+    assert h100 - index_q == shapes("NVIDIA H200")
+    assert {(s[0], s[1]) for s in index_q} == {
+        (f"index_q_d128r64_{fmt}_bf16_sm90", 1 << i) for fmt in ("fp8_token", "mxfp4") for i in range(16)
+    }
     for e in db.entries:
         assert e["variant"] in registry.VARIANTS
         LaunchConfig.from_key(e["config"])
