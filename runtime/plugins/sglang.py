@@ -298,9 +298,9 @@ def index_q(q_input, weight, weight_scale, freqs_cis, positions, fmt: str):
     else:
         q_out = torch.empty(t, h, d, dtype=torch.float8_e4m3fn, device=q_input.device)
         q_sf = scales = None
-    # (int64 positions: the op's int32 module has compiled and passed its CPU checks but not yet run on a GPU)
+    # (int32 positions as they are: index_q has an int32-positions module)
     index_q_rope_quant(
-        q_input, positions64(positions), cos_sin(freqs_cis), weight, float(weight_scale), 1.0,
+        q_input, positions, cos_sin(freqs_cis), weight, float(weight_scale), 1.0,
         q_out.view(torch.uint8), weights_out.view(t, h), scales, fmt, numerics="sglang",
     )  # fmt: skip
     return ((q_out, q_sf), weights_out) if fmt == "mxfp4" else (q_out, weights_out)
