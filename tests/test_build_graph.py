@@ -121,11 +121,18 @@ def test_full_build_graph_is_complete(tmp_path):
         len(keys)
         == len({(k.variant, k.target, k.config.key) for _, k in keys})
         == 332
-        + sum(len(cs - {parse_name(v).arch.default_config}) for (v, _), cs in build.tuned_configs().items())
-        # an index_q module is built folded to each preset's bits instead of once (the defaults' one)
         + sum(
-            len(build.folded_bits(v, index_q.PRESETS))
-            for v, _ in {(v, k.target) for v, k in keys if v.op is Op.INDEX_Q}
+            len(cs - {parse_name(v).arch.default_config})
+            for (v, _), cs in build.tuned_configs().items()
+            if parse_name(v).op is not Op.INDEX_Q
+        )
+        # an index_q module: each of its configs (the default and its tuned ones) folded to the defaults'
+        # bits and to each preset's, instead of once
+        + sum(
+            len(build.tuned_configs().get((v.name, t), set()) | {v.arch.default_config})
+            * (1 + len(build.folded_bits(v, index_q.PRESETS)))
+            - 1
+            for v, t in {(v, k.target) for v, k in keys if v.op is Op.INDEX_Q}
         )
     )
     graph = root / "build" / "one" / "build.ninja"

@@ -63,20 +63,26 @@ def test_every_variant_is_built_for_every_target_it_claims(built):
     for v in VARIANTS:
         keys = [k for w, k in ENTRIES if w == v]
         default = v.arch.default_config.key
-        folds = set()
-        if v.op is Op.INDEX_Q:  # built folded to each preset's bits (defaults_only for the defaults')
+        tuned = build.tuned_configs()
+        folds = {t: set() for t in DEFAULT_BUILD_TARGETS}
+        if (
+            v.op is Op.INDEX_Q
+        ):  # each config built folded to each preset's bits (defaults_only for the defaults')
             bits = build.folded_bits(v, index_q.PRESETS) | {v.default_numerics}
-            folds = {v.arch.default_config.folded_to(b, v.default_numerics) for b in bits}
+            for t in folds:
+                configs = tuned.get((v.name, t), set()) | {v.arch.default_config}
+                folds[t] = {c.folded_to(b, v.default_numerics) for c in configs for b in bits}
             default = v.arch.default_config.folded_to(v.default_numerics, v.default_numerics).key
         defaults = [k for k in keys if k.config.key == default]
         assert sorted(k.target for k in defaults) == sorted(
             t for t in v.arch.targets if t in DEFAULT_BUILD_TARGETS
         )
-        tuned = build.tuned_configs()
         for k in keys:
             meta = meta_of(built, k)
             assert (meta["variant"], meta["target"], meta["config"]) == (v.name, k.target, k.config.key)
-            assert k.config.key == default or k.config in tuned[(v.name, k.target)] | folds
+            assert (
+                k.config.key == default or k.config in tuned.get((v.name, k.target), set()) | folds[k.target]
+            )
             assert meta["dsl_fingerprint"] == compiler.dsl_fingerprint()
             assert meta["source_hash"] == compiler.source_hash(v.name)
             assert re.search(rf"^\.target {k.target}$", ptx_of(built, k), re.M)
