@@ -169,8 +169,7 @@ def shape_calls(rt, request, device, heads, weights_dtype, numerics, checked, co
     return bits, rt.errors_buffer(device), tuple((la.fn, la.tail(lead, **values)) for la in launchers)
 
 
-# the byte alignment each tensor's start needs, in call order (index_q_ops.check; 0: the element size),
-# and which of them the op writes
+# the byte alignment each tensor's start needs, in call order (`check`; 0: the element size)
 _ALIGN = (16, 0, 16, 2, 16, 0, 4)  # q, positions, cos_sin_cache, weights, q_out, weights_out, q_scales
 
 
