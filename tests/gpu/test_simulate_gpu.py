@@ -71,7 +71,8 @@ def test_small_serving_simulation(tmp_path):
     assert al is not None
     assert al["kv"]["num_blocks"] > pr["kv"]["num_blocks"]
     assert al["headroom_bytes"] < padded_q, (
-        "the budget was meant to leave less headroom than one padded Q tensor"
+        "the budget was meant to leave less headroom than one padded Q tensor",
+        {"padded_q": padded_q, "budget": opts.memory_budget_bytes, "pool_kv": pr["kv"], "alloc": al},
     )
     assert al["outcome"] == "oom" or al["exceeded_budget"], al
     if al["outcome"] == "oom":
