@@ -76,37 +76,47 @@ def child(tokens: int, order_path: str) -> None:
         json.dump(cases(tokens), f)
 
 
-SCALE = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0, "byte": 1.0, "Kbyte": 1e3,
-         "Mbyte": 1e6, "Gbyte": 1e9, "Kibyte": 1024.0, "Mibyte": 2.0**20, "Gibyte": 2.0**30}  # fmt: skip
+# to seconds or bytes (ncu prints what `--print-units base` calls each metric's base unit: "ns", "nsecond",
+# "byte", ...)
+SCALE = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3, "s": 1.0,
+         "second": 1.0, "byte": 1.0, "B": 1.0, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6,
+         "Gbyte": 1e9, "GB": 1e9}  # fmt: skip
 
 
-def number(text: str, unit: str = ""):
-    """A value in seconds or bytes where its unit is a time or a size, else as printed."""
+def number(text: str):
     try:
-        value = float(text.replace(",", ""))
+        return float(text.replace(",", ""))
     except ValueError:
         return text
-    return value * SCALE.get(unit, 1.0)
 
 
 def parse_raw_csv(text: str) -> list[dict]:
-    """ncu --csv --page raw: a header of column names, a row of units, then one row per kernel."""
+    """ncu --csv --page raw: a header of column names, a row of units, then one row per kernel. Each
+    row maps a column to its value as printed, and "units" to each column's unit."""
     lines = [ln for ln in text.splitlines() if ln.startswith('"')]  # (ncu's own ==PROF== lines dropped)
     rows = list(csv.reader(io.StringIO("\n".join(lines))))
     if len(rows) < 2:
         return []
     header, units, body = rows[0], rows[1], rows[2:]
-    return [{h: number(v, u) for h, u, v in zip(header, units, r)} for r in body]
+    return [{**{h: number(v) for h, v in zip(header, r)}, "units": dict(zip(header, units))} for r in body]
+
+
+def in_base_units(raw: dict, metric: str) -> float:
+    """A time in seconds or a size in bytes; NaN for a unit this script does not know (never a silent 1)."""
+    unit = raw["units"].get(metric, "")
+    if unit not in SCALE:
+        sys.stderr.write(f"{metric}: unit {unit!r} is not one this script converts\n")
+    return raw[metric] * SCALE.get(unit, float("nan"))
 
 
 def summarize(case: dict, raw: dict) -> dict:
-    seconds = raw["gpu__time_duration.sum"]
-    dram = raw["dram__bytes_read.sum"] + raw["dram__bytes_write.sum"]
+    seconds = in_base_units(raw, "gpu__time_duration.sum")
+    dram = in_base_units(raw, "dram__bytes_read.sum") + in_base_units(raw, "dram__bytes_write.sum")
     out = {
         **case,
         "kernel": raw.get("Kernel Name"),
         "us": round(seconds * 1e6, 2),
-        "dram_bytes": int(dram),
+        "dram_bytes": dram,
         "dram_tb_s": round(dram / seconds / 1e12, 3),
         "dram_pct_of_peak": raw["dram__throughput.avg.pct_of_peak_sustained_elapsed"],
         "warp_instructions": int(raw["smsp__inst_executed.sum"]),
@@ -118,6 +128,7 @@ def summarize(case: dict, raw: dict) -> dict:
     stalls = {s: raw[m] for s, m in zip(STALLS, STALL_METRICS) if m in raw}
     if stalls:
         out["stall_cycles_per_issue"] = stalls
+    out["raw"] = raw  # every value as ncu printed it, with its unit
     return out
 
 

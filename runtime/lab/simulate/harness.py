@@ -67,12 +67,22 @@ class Budget:
         return max(0, int(free))
 
     def headroom(self) -> int:
-        """What one more allocation could get now (free device memory plus cached blocks, capped)."""
-        alloc = torch.cuda.memory_allocated(self.device)
-        h = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) - alloc
+        """The largest allocation that could succeed now: a new segment (free device memory, capped by
+        the budget less what is reserved) or the largest free block of a segment already reserved. Not
+        the sum of the free blocks: a process's earlier tensors leave reserved segments partly used,
+        and their free blocks, however many, do not make one large tensor."""
+        torch.cuda.synchronize(self.device)
+        fresh = torch.cuda.mem_get_info(self.device)[0]
         if self.limit is not None:
-            h = min(h, self.limit - alloc)
-        return max(0, int(h))
+            fresh = min(fresh, self.limit - torch.cuda.memory_reserved(self.device))
+        index = torch.device(self.device).index
+        index = torch.cuda.current_device() if index is None else index
+        cached = max(
+            (b["size"] for seg in torch.cuda.memory_snapshot() if seg["device"] == index
+             for b in seg["blocks"] if b["state"] == "inactive"),
+            default=0,
+        )  # fmt: skip
+        return max(0, int(fresh), int(cached))
 
 
 class HostBudget:
