@@ -65,9 +65,8 @@ def test_every_variant_is_built_for_every_target_it_claims(built):
         default = v.arch.default_config.key
         tuned = build.tuned_configs()
         folds = {t: set() for t in DEFAULT_BUILD_TARGETS}
-        if (
-            v.op is Op.INDEX_Q
-        ):  # each config built folded to each preset's bits (defaults_only for the defaults')
+        # index_q: each config built folded to each preset's bits (defaults_only for the defaults')
+        if v.op is Op.INDEX_Q:
             bits = build.folded_bits(v, index_q.PRESETS) | {v.default_numerics}
             for t in folds:
                 configs = tuned.get((v.name, t), set()) | {v.arch.default_config}

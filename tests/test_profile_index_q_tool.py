@@ -38,6 +38,7 @@ def test_raw_csv_rows_convert_times_and_sizes():
     assert s["warp_instructions"] == 134_217_728
     assert set(s["stall_cycles_per_issue"]) == {"long_scoreboard", "short_scoreboard"}
     assert s["raw"]["units"]["gpu__time_duration.sum"] == "nsecond"
+    assert set(s["raw"]) == set(METRICS) | {"units"}  # the metrics asked for, not ncu's other columns
     assert tool.summarize(case, tool.parse_raw_csv(csv_text("usecond", "279.488"))[0])["us"] == 279.49
 
 

@@ -128,7 +128,9 @@ def summarize(case: dict, raw: dict) -> dict:
     stalls = {s: raw[m] for s, m in zip(STALLS, STALL_METRICS) if m in raw}
     if stalls:
         out["stall_cycles_per_issue"] = stalls
-    out["raw"] = raw  # every value as ncu printed it, with its unit
+    # the metrics asked for as ncu printed them, with their units (ncu's raw page adds ~300 device columns)
+    kept = [m for m in CORE_METRICS + STALL_METRICS if m in raw]
+    out["raw"] = {**{m: raw[m] for m in kept}, "units": {m: raw["units"][m] for m in kept}}
     return out
 
 
