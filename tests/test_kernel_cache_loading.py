@@ -27,6 +27,8 @@ from .support import cache_entry
 from .support.build import REPO
 from .support.cache_entry import IS_ROOT, KEY
 
+pytestmark = pytest.mark.tvm_ffi  # CI runs this file under every pinned TVM-FFI (.ci/run)
+
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):

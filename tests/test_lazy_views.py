@@ -13,6 +13,8 @@ from attn_prologue.errors import InputError
 from .support.bad_inputs import BS, KV_ARGS, H, snapshot, unchanged, valid, valid_kv
 from .support.stub_kernels import StubRuntime, stub_bind, stub_bind_kv
 
+pytestmark = pytest.mark.tvm_ffi  # CI runs this file under every pinned TVM-FFI (.ci/run)
+
 QKV = ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache", "eps", "block_size",
        "cache_format")  # fmt: skip
 BOUND = ("q_in", "kv", "k_cache", "slot_mapping", "positions", "cos_sin_cache")

@@ -22,6 +22,8 @@ from attn_prologue.jit.kernel_cache import UntrustedCacheError
 from .support.bad_inputs import BS, valid
 from .support.stub_kernels import StubRuntime, require_python_stand_in
 
+pytestmark = pytest.mark.tvm_ffi  # CI runs this file under every pinned TVM-FFI (.ci/run)
+
 QKV = (
     "q_in",
     "kv",

@@ -31,6 +31,8 @@ from .support.bad_inputs import (
 )
 from .support.stub_kernels import StubRuntime, stub_bind
 
+pytestmark = pytest.mark.tvm_ffi  # CI runs this file under every pinned TVM-FFI (.ci/run)
+
 QKV_ARGS = ("q_in", "kv", "q_out", "k_cache", "slot_mapping", "positions", "cos_sin_cache", "eps", "block_size",
             "cache_format")  # fmt: skip
 BOUND_ARGS = ("q_in", "kv", "k_cache", "slot_mapping", "positions", "cos_sin_cache")
