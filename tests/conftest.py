@@ -40,13 +40,14 @@ def skip_reason(report) -> str:
 
 
 @pytest.fixture(scope="session")
-def session_build(tmp_path_factory):
+def session_build(tmp_path_factory, request):
     """The session's full build (tests/support/build.py), or the BuildFailed it ended with: kept, not
-    raised, so that `built` reports it once instead of once per dependent test."""
+    raised, so that `built` reports it once instead of once per dependent test. pytest-xdist's workers
+    (the README runs the tests on two) share one build."""
     from .support.build import BuildFailed, build_once
 
     try:
-        return build_once(tmp_path_factory)
+        return build_once(tmp_path_factory, workers=hasattr(request.config, "workerinput"))
     except BuildFailed as exc:
         return exc
 

@@ -1,4 +1,4 @@
-"""Time the README's test command's pytest step (`python -m pytest -q`) and record it: wall time,
+"""Time the README's test command's pytest step (`python -m pytest -q -n 2`) and record it: wall time,
 pass/fail/skip counts, the session build (kernels reused from the main command's cache, its seconds),
 the slowest tests, and the machine, with provenance.
 
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tests.support.build import ENV_CLEAN, ENV_RECORD  # noqa: E402  (the session build's switches)
 
-PYTEST = ["-m", "pytest", "-q"]  # the README's test command's pytest step, verbatim
+PYTEST = ["-m", "pytest", "-q", "-n", "2"]  # the README's test command's pytest step, verbatim
 
 
 def counts(junit: Path) -> dict:

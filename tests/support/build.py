@@ -17,6 +17,7 @@ Three things keep it usable on a slow or busy machine:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -146,9 +147,36 @@ def reuse_user_cache(root: Path) -> int:
     return copied
 
 
-def build_once(tmp_path_factory) -> Built:
-    """Build the session's cache, or raise BuildFailed with the end of the build's output."""
-    root = tmp_path_factory.mktemp("session-build") / "kernels"
+def build_once(tmp_path_factory, workers: bool = False) -> Built:
+    """Build the session's cache, or raise BuildFailed with the end of the build's output. Under
+    pytest-xdist (`workers`), the first worker to get here builds into a folder every worker of the
+    run shares and records the outcome; the others wait on its lock and take that record, so the
+    kernels are compiled once per run, not once per worker."""
+    if not workers:
+        return _build(tmp_path_factory.mktemp("session-build") / "kernels")
+    shared = tmp_path_factory.getbasetemp().parent / "session-build"  # the run's, above each worker's
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        record = shared / "outcome.json"
+        if record.exists():
+            done = json.loads(record.read_text())
+            if "failed" in done:
+                raise BuildFailed(done["failed"])
+            return Built(shared / "kernels", KernelCache(shared / "kernels"), done["output"], done["seconds"],
+                         done["reused"])  # fmt: skip
+        shared.mkdir(mode=0o700, exist_ok=True)
+        shutil.rmtree(shared / "kernels", ignore_errors=True)  # left by a worker that died building it
+        try:
+            built = _build(shared / "kernels")
+        except BuildFailed as exc:
+            record.write_text(json.dumps({"failed": str(exc)}))
+            raise
+        facts = {"output": built.output, "seconds": built.seconds, "reused": built.reused}
+        record.write_text(json.dumps(facts))
+        return built
+
+
+def _build(root: Path) -> Built:
     root.mkdir(mode=0o700)
     reused = reuse_user_cache(root)
     timeout = build_timeout(len(ENTRIES) - reused)
