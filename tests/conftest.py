@@ -1,6 +1,7 @@
 """Shared test setup. GPU tests are marked `gpu` and skipped (never passed) without a CUDA device."""
 
 import collections
+import os
 
 import pytest
 import torch
@@ -11,6 +12,14 @@ GPU_SKIP_REASON = (
     "needs a CUDA GPU: on a machine with one, `tests/gpu/run_suite.sh gpu-suite.json` builds its kernels "
     "and runs every GPU test (docs/runtime.md, GPU tests)"
 )
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's torch takes its share of the cores: with every worker on all
+    of them (torch's default), the CPU-heavy tests ran up to 4x slower on 2 cores."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -245,13 +245,13 @@ def test_ctrl_c_during_a_build_keeps_every_finished_entry(tmp_path):
         "-j",
         "1",
     ]
+    env = {**os.environ, "ATTN_PROLOGUE_NATIVE": "0"}  # the kernels only (native parts: test_native_cpu.py)
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
     )
     cache = KernelCache(root)
     keys = [k for _, k in build.build_keys([v for v in variant_space() if v.name.startswith(SMALL)])]
     deadline = time.monotonic() + 300
-    # (a kernel's entry: the native parts, built beside the kernels, publish entries of their own)
     while not any(cache.read_meta(k) for k in keys) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
@@ -259,7 +259,7 @@ def test_ctrl_c_during_a_build_keeps_every_finished_entry(tmp_path):
     done = [k for k in keys if cache.read_meta(k) is not None]
     assert done, "nothing finished before the interrupt (the test needs one entry published)"
     assert all(cache.entry_dir(k).joinpath("kernel.so").exists() for k in done)
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0, again.stdout[-3000:]
     assert f"{len(keys)} kernels ready ({len(keys) - len(done)} compiled now)" in again.stdout
 
