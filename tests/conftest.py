@@ -15,8 +15,8 @@ GPU_SKIP_REASON = (
 
 
 def pytest_configure(config):
-    """Under pytest-xdist, each worker's torch takes its share of the cores: with every worker on all
-    of them (torch's default), the CPU-heavy tests ran up to 4x slower on 2 cores."""
+    """Under pytest-xdist, each worker's torch takes its share of the cores: with each worker's torch
+    on all of them (its default), tests/test_lean_quant_cpu.py took 195 s instead of 78 s on 2 cores."""
     workers = getattr(config, "workerinput", {}).get("workercount")
     if workers:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
