@@ -7,7 +7,7 @@ counts, the machine and provenance.
     python tools/readme_commands.py --concurrent-build --json results/readme-commands-cpu-concurrent.json
 
 The main command and the test command's install steps run verbatim (`bash -c`). The test command's
-last step, `python -m pytest -q`, runs through tools/time_tests.py (the same pytest command plus
+last step, `python -m pytest -q -n 2`, runs through tools/time_tests.py (the same pytest command plus
 `--junitxml` and `--durations`, which only report), which also writes the test-time record
 (`--tests-json`, default results/tests-cpu.json, or results/tests-cpu-concurrent.json with
 `--concurrent-build`). With `--concurrent-build` a full clean `build` into an empty cache of its own
@@ -31,7 +31,7 @@ from attn_prologue.lab.provenance import git_state, provenance
 from time_build import BesideBuild, machine
 
 REPO = Path(__file__).resolve().parents[1]
-PYTEST_STEP = "python -m pytest -q"
+PYTEST_STEP = "python -m pytest -q -n 2"
 
 
 def readme_commands(readme: Path) -> tuple[str, str]:

@@ -174,9 +174,9 @@ def test_time() -> list[str]:
         s = t["session_build"] or {}
         reuse = f"{s.get('reused', 0)} of {s.get('kernels', '?')} kernels reused" if s else "no session build"
         c = t["counts"]
-        rows.append((how, f"{t['wall_seconds'] / 60:.1f} min", f"{c['passed']} passed, {c['skipped']} skipped",
+        rows.append((f"{how}: `{t['command']}`", f"{t['wall_seconds'] / 60:.1f} min", f"{c['passed']} passed, {c['skipped']} skipped",
                      reuse, f"{_machine(t['machine'])}; {_file(name)}"))  # fmt: skip
-    return _table(("`python -m pytest -q`", "wall", "tests", "session build", "machine, file"), rows)
+    return _table(("the test command's pytest step", "wall", "tests", "session build", "machine, file"), rows)
 
 
 def readme_commands() -> list[str]:

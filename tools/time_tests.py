@@ -100,6 +100,9 @@ def main() -> int:
             "slowest": slowest(proc.stdout),
         }
     Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    for line in proc.stdout.splitlines():  # pytest's short summary (-rfE): which tests failed
+        if line.startswith(("FAILED ", "ERROR ")):
+            print(line)
     c = record["counts"]
     print(
         f"pytest: {c['passed']} passed, {c['failures']} failed, "
