@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -29,9 +30,10 @@ from pathlib import Path
 
 from attn_prologue.lab.provenance import git_state, provenance
 from time_build import BesideBuild, machine
+from time_tests import PYTEST
 
 REPO = Path(__file__).resolve().parents[1]
-PYTEST_STEP = "python -m pytest -q -n 2"
+PYTEST_STEP = shlex.join(["python", *PYTEST])  # what tools/time_tests.py runs: the README's must match
 
 
 def readme_commands(readme: Path) -> tuple[str, str]:
