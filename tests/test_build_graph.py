@@ -22,7 +22,7 @@ from attn_prologue.jit import compiler
 from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.variants import DEFAULT_BUILD_TARGETS, Op, Variant, parse_name
 
-from .support.build import ENTRIES, build_cli
+from .support.build import ENTRIES, build_cli, kernels_only_env
 
 # ---- the build graph ----------------------------------------------------------------------------------
 _COLON = object()
@@ -245,7 +245,7 @@ def test_ctrl_c_during_a_build_keeps_every_finished_entry(tmp_path):
         "-j",
         "1",
     ]
-    env = {**os.environ, "ATTN_PROLOGUE_NATIVE": "0"}  # the kernels only (native parts: test_native_cpu.py)
+    env = kernels_only_env()
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
     )

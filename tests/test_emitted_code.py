@@ -6,7 +6,6 @@ on every arch: test_emitted_knobs.py)."""
 from __future__ import annotations
 
 import collections
-import os
 import re
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.launch import LaunchConfig
 from attn_prologue.variants import Conversions, Op, QOut, Variant, parse_name
 
-from .support.build import ENTRIES, ENTRY_IDS, meta_of, ptx_of
+from .support.build import ENTRIES, ENTRY_IDS, kernels_only_env, meta_of, ptx_of
 
 # the writers' entries and the indexer Q's (its own outputs and access widths: the index_q tests below)
 WRITERS = [(e, i) for e, i in zip(ENTRIES, ENTRY_IDS) if e[0].op is not Op.INDEX_Q]
@@ -421,7 +420,7 @@ def test_index_q_takes_int32_positions_through_its_own_module(tmp_path):
     names = ("index_q_d128r64_mxfp4_bf16_sm90", "index_q_d128r64_fp8_token_bf16_sm120")
     cmd = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir", str(tmp_path), "--targets",
            "sm_90a,sm_120f", "--config", cfg.key, "--variants", *names]  # fmt: skip
-    env = {**os.environ, "ATTN_PROLOGUE_NATIVE": "0"}  # the kernels only (native parts: test_native_cpu.py)
+    env = kernels_only_env()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     cache = KernelCache(tmp_path)

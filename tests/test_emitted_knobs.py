@@ -5,7 +5,6 @@ int32 slot ids compile to a 32-bit slot load."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from attn_prologue.jit.kernel_cache import KernelCache, KernelKey
 from attn_prologue.launch import LaunchConfig
 from attn_prologue.variants import DEFAULT_BUILD_TARGETS, TARGETS, Conversions, parse_name
 
-from .support.build import REPO
+from .support.build import REPO, kernels_only_env
 from .test_emitted_code import assert_config_in_ptx
 
 # ---- every launch knob compiles on every arch ------------------------------------------------------
@@ -47,7 +46,7 @@ def test_every_launch_knob_compiles_on_every_arch(tmp_path):
         "--variants",
         *KNOB_VARIANTS,
     ]
-    env = {**os.environ, "ATTN_PROLOGUE_NATIVE": "0"}  # the kernels only (native parts: test_native_cpu.py)
+    env = kernels_only_env()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     cache = KernelCache(tmp_path)

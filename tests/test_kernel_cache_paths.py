@@ -19,6 +19,7 @@ from attn_prologue.jit.kernel_cache import KernelCache, NotACacheError, Untruste
 from attn_prologue.jit.trusted_fs import MARKER
 
 from .support import cache_entry
+from .support.build import kernels_only_env
 from .support.cache_entry import IS_ROOT, KEY
 
 
@@ -49,7 +50,7 @@ def test_build_into_a_relative_cache_dir(tmp_path):
     """ninja runs the workers in a folder of its own: a relative --cache-dir must still be this one."""
     cmd = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir", "rel", "--variants", KEY.variant,
            "--targets", KEY.target, "--config", KEY.config.key]  # fmt: skip
-    env = {**os.environ, "ATTN_PROLOGUE_NATIVE": "0"}  # (the native parts: tested elsewhere)
+    env = kernels_only_env()
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "1 kernels ready (1 compiled now)" in proc.stdout

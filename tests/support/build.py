@@ -55,6 +55,12 @@ FIXED_SECONDS = 600
 CORE_SECONDS_PER_KERNEL = 15
 
 
+def kernels_only_env() -> dict[str, str]:
+    """The environment for a `build` subprocess that compiles the kernels alone: no C++ torch-op library
+    (ATTN_PROLOGUE_NATIVE=0; the native parts have their own tests, tests/test_native_cpu.py)."""
+    return {**os.environ, "ATTN_PROLOGUE_NATIVE": "0"}
+
+
 def build_timeout(kernels: int, cpus: int | None = None) -> float | None:
     """Seconds the session build may take for `kernels` left to compile (None: no limit)."""
     given = os.environ.get(ENV_TIMEOUT)
