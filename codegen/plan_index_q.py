@@ -5,7 +5,7 @@ from __future__ import annotations
 from attn_prologue import index_q_hadamard as hq
 from attn_prologue.formats import ElementCode
 from attn_prologue.index_q import FP8_FLOOR, MXFP4_BLOCK, MXFP4_FLOOR, IndexQFlag
-from attn_prologue.variants import IoDtype, Variant
+from attn_prologue.variants import Conversions, IoDtype, Variant
 
 from .plan import VEC, WARP, Argument
 
@@ -76,6 +76,8 @@ def make_index_q_plan(v: Variant) -> dict:
         "e2m1_float_codes": False,  # (its codes are the float16 ones, e2m1_pack8_io, or the Hadamard rule's)
         "needs_ue8m0": False,
         "e2m1_io_codes": mxfp4,  # (the codes of I/O-dtype values times a power of two: e2m1_pack8_io)
+        # bf16 rows coded from their bfloat16 words (e2m1_pack8_bf16_pairs) where the codes are software
+        "e2m1_bf16_pairs": mxfp4 and v.io_dtype is IoDtype.BF16 and v.conversions is Conversions.PORTABLE,
         "scale": "ue8m0",
         "signature": _signature(v, mxfp4),
         "shared_symbols": {"tokens": "cute.sym_int32()", "heads": "cute.sym_int32()"},

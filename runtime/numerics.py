@@ -119,6 +119,45 @@ def e2m1_pack_codes_in_f16(y: torch.Tensor) -> torch.Tensor:
     return e2m1_codes_in_f16(c.abs(), c)
 
 
+def round_bf16(v: torch.Tensor) -> torch.Tensor:
+    """float64 -> the nearest-even bfloat16 value, as float64: 8 significant bits, below 2^-126 the fixed
+    quantum 2^-133, a magnitude from (2 - 2^-8) * 2^127 up -> Inf."""
+    v = v.double()
+    a = v.abs()
+    _, e = torch.frexp(a)
+    quantum = torch.where(
+        a < 2.0**-126, torch.full_like(a, 2.0**-133), torch.ldexp(torch.ones_like(a), e - 8)
+    )
+    r = torch.round(a / quantum) * quantum
+    r = torch.where(r >= (2 - 2.0**-8) * 2.0**127, torch.full_like(r, float("inf")), r)
+    return torch.copysign(torch.where(torch.isfinite(a), r, a), v)
+
+
+def _bf16_bits(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF  # (v is a bfloat16 value: exact)
+
+
+def e2m1_codes_in_bf16(mags: torch.Tensor, clamped: torch.Tensor) -> torch.Tensor:
+    """The codes of e2m1_word_of_bf16, one half at a time: magnitudes `mags` in [0, 6] (bfloat16 values),
+    signs from `clamped`. p = bits(max(a, 1)) & 0x7F80; t = a + 64 * 2^k rounded once (fma.rn.bf16x2);
+    code = bits(t) - p + (p >> 6) - 0x3FE."""
+    p = _bf16_bits(torch.maximum(mags, torch.ones_like(mags))) & 0x7F80
+    t = round_bf16(
+        _sum_round_to_odd(torch.ldexp(torch.ones_like(mags), (p >> 7) - 127) * 64.0, mags.double())
+    )
+    code = _bf16_bits(t) - p + (p >> 6) - 0x3FE
+    return (code | torch.signbit(clamped).to(torch.int32) << 3).to(torch.uint8)
+
+
+def e2m1_pack_codes_in_bf16(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """e2m1_pack8_bf16_pairs per value: x a bfloat16 value, inv the block's inverse scale (a power of two,
+    2^-127, 0 or -Inf: bfloat16 values too), the product rounded to bfloat16 (mul.rn.bf16x2), clamped to
+    +-6 with NaN -> +6 (min.bf16x2, then max.bf16x2, return the other operand for NaN)."""
+    six = torch.full_like(x, E2M1_MAX, dtype=torch.float64)
+    c = _f16_min_max(round_bf16(x.double() * inv.double()), -six, six)
+    return e2m1_codes_in_bf16(c.abs(), c)
+
+
 def e2m1_quotient_codes_in_f16(x: torch.Tensor, s: torch.Tensor, recip: torch.Tensor) -> torch.Tensor:
     """e2m1_quotient_codes_io per value (nvfp4_v41): x float32, s its group's e4m3 scale, `recip`
     the float16 reciprocal the kernel uses (within one float16 ulp of 1 / s)."""

@@ -240,6 +240,31 @@ def test_float16_pack_codes_equal_the_reference_for_every_scaled_value(dtype):
         assert torch.equal(nx.e2m1_pack_codes_in_f16(y), nx.e2m1_codes(y)), e
 
 
+def test_bfloat16_pair_codes_equal_the_float32_codes_for_every_bf16_value_and_inverse():
+    """The index_q bf16 path (e2m1_pack8_bf16_pairs): every bf16 value x (NaN, Inf, subnormals and zeros
+    of both signs included) times every inverse scale a block can take, 2^-e for e in [-127, 127] (2^-127
+    is also the saturated inverse), 0 (INF_INVERSE_ZERO) and -Inf (an Inf block), multiplied and clamped
+    in bfloat16 pairs: the codes equal e2m1 of the same product in float32 (the float32 path's codes)."""
+    x = every_value(torch.bfloat16)
+    inverses = [2.0**-e for e in range(-127, 128)] + [0.0, float("-inf")]
+    for inv in inverses:
+        want = nx.e2m1_codes(x * torch.tensor(inv, dtype=torch.float32))
+        got = nx.e2m1_pack_codes_in_bf16(x, torch.full_like(x, inv))
+        assert torch.equal(got, want), inv
+
+
+def test_bfloat16_rounding_twin_is_torchs_conversion():
+    """round_bf16 (the twin's rounding) = torch's float32 -> bfloat16 conversion on values around every
+    binade, ties, the subnormal range and the overflow edge."""
+    g = torch.Generator().manual_seed(5)
+    bits = torch.randint(0, 2**31, (200000,), generator=g, dtype=torch.int64)
+    bits = torch.cat([bits, torch.arange(0x7F7F0000, 0x7F800001, 97), torch.arange(0, 0x00810000, 4099)])
+    v = (bits.to(torch.int32)).view(torch.float32)
+    v = torch.cat([v, -v])
+    v = v[~v.isnan()]  # (NaN != NaN; round_bf16 keeps NaN as it is)
+    assert torch.equal(nx.round_bf16(v).float(), v.to(torch.bfloat16).float())
+
+
 def test_float16_codes_run_only_where_the_rows_are_in_the_io_dtype():
     """The float16 path (proven above for I/O-dtype values only) is traced where lean_quant is on and the
     parity choices are folded to rows rounded through the I/O dtype: the format defaults (defaults_only)

@@ -185,7 +185,13 @@ class Kernel(KernelBase):
         t, h, valid, ok, tables, frags, w = row
         ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
         for s in range_constexpr(SLOTS):
-            ys[s].store(frags[s].load().to(Float32))
+            if const_expr(IO_DTYPE is cutlass.BFloat16):  # a bf16 value is the high half of its float32
+                loaded = cute.recast_tensor(frags[s], Uint32)
+                for j in range_constexpr(VEC // 2):
+                    ys[s][2 * j] = kl.f32_from_bits(loaded[j] << Uint32(16))
+                    ys[s][2 * j + 1] = kl.f32_from_bits(loaded[j] & Uint32(0xFFFF0000))
+            else:
+                ys[s].store(frags[s].load().to(Float32))
         self.rope(ys, tables, ok, sub, args.numerics)
         hadamard = (args.numerics & HADAMARD) != 0
         if hadamard:

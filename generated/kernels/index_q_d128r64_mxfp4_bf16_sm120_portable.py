@@ -108,6 +108,55 @@ def e2m1_pack8_io(y) -> Uint32:
         for i in range(4)
     ]
     return e2m1_word_of_f16([c & Uint32(0x7FFF7FFF) for c in clamped], clamped)
+
+
+# The same codes from bfloat16 pairs (value i in the low half of word i, value i + 4 in the high half) of
+# bf16 rows times a power of two, multiplied in bfloat16 (exact: the product keeps the row value's 8
+# bits; proven on the CPU for every bf16 value and inverse scale: tests/test_lean_quant_cpu.py, twin
+# numerics.e2m1_pack_codes_in_bf16). The rows never leave their loaded or rounded words.
+BF16_ONES, BF16_64, BF16_SIXES = 0x3F803F80, 0x42804280, 0x40C040C0  # (1.0, 1.0), (64, 64), (6, 6)
+BF16_BIAS = 0x03FE03FE  # a code word's t - p + (p >> 6) minus its code, per half (e2m1_word_of_bf16)
+
+
+def bf16_pair(lo: Float32, hi: Float32) -> Uint32:
+    """(RN(lo), RN(hi)) as one bfloat16x2 word (cvt.rn.bf16x2.f32 takes the high half first)."""
+    return cute.arch.inline_ptx(
+        "cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Uint32], read_only_args=[hi, lo]
+    )
+
+
+def bytes_of(a: Uint32, b: Uint32, selector: int) -> Uint32:
+    """prmt.b32: the 4 bytes `selector` picks from a (bytes 0-3) and b (bytes 4-7), one nibble each."""
+    return cute.arch.inline_ptx(
+        "prmt.b32 {$w0}, {$r0}, {$r1}, " + hex(selector) + ";",
+        write_only_types=[Uint32], read_only_args=[a, b],
+    )
+
+
+def e2m1_pack8_bf16_pairs(words, inverse: Float32) -> Uint32:
+    """The e2m1 codes of 4 bfloat16x2 words of row values times `inverse` (a power of two, 2^-127, 0 or
+    -Inf, so a bfloat16 value: the high half of its float32 bits), saturated to +-6 with NaN -> +6. Per
+    half as e2m1_word_of_f16, with bfloat16's 7 mantissa bits: t = a + 64 * 2^k, code = bits(t) - p +
+    (p >> 6) - 0x3FE (p has no bits below 7: p >> 6 keeps the halves apart)."""
+    inv = bytes_of(kl.f32_bits(inverse), kl.f32_bits(inverse), 0x3232)  # (its high half, twice)
+    word = Uint32(0)
+    for i in range(4):
+        y = f16x2("mul.rn.bf16x2", words[i], inv)
+        c = f16x2("max.bf16x2", f16x2("min.bf16x2", y, BF16_SIXES), BF16_SIXES | 0x80008000)
+        a = c & Uint32(0x7FFF7FFF)
+        p = f16x2("max.bf16x2", a, BF16_ONES) & Uint32(0x7F807F80)
+        t = f16x2("fma.rn.bf16x2", p, BF16_64, a)
+        word = word + ((t + (p >> Uint32(6)) - p) << Uint32(4 * i))
+        word = word + ((c & Uint32(0x80008000)) >> Uint32(12 - 4 * i))
+    return word - Uint32(sum(BF16_BIAS << (4 * i) for i in range(4)) % 2**32)
+
+
+def bf16_abs_max(words) -> Float32:
+    """NaN-ignoring max |x| of the 8 bfloat16 values of 4 words, as float32 (max.bf16x2 returns the other
+    operand for NaN; an all-NaN vector gives NaN, which the scale's max with its floor ignores)."""
+    m = f16x2("max.bf16x2", f16x2("max.bf16x2", words[0] & Uint32(0x7FFF7FFF), words[1] & Uint32(0x7FFF7FFF)),
+              f16x2("max.bf16x2", words[2] & Uint32(0x7FFF7FFF), words[3] & Uint32(0x7FFF7FFF)))  # fmt: skip
+    return kl.fmax(kl.f32_from_bits(m << Uint32(16)), kl.f32_from_bits(m & Uint32(0xFFFF0000)))
 # ---- end conversions ---------------------------------------------------------------------------
 
 
@@ -250,8 +299,17 @@ class Kernel(KernelBase):
         t, h, valid, ok, tables, frags, w = row
         ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
         for s in range_constexpr(SLOTS):
-            ys[s].store(frags[s].load().to(Float32))
-        self.rope(ys, tables, ok, sub, args.numerics)
+            if const_expr(IO_DTYPE is cutlass.BFloat16):  # a bf16 value is the high half of its float32
+                loaded = cute.recast_tensor(frags[s], Uint32)
+                for j in range_constexpr(VEC // 2):
+                    ys[s][2 * j] = kl.f32_from_bits(loaded[j] << Uint32(16))
+                    ys[s][2 * j + 1] = kl.f32_from_bits(loaded[j] & Uint32(0xFFFF0000))
+            else:
+                ys[s].store(frags[s].load().to(Float32))
+        # vLLM's rows (bf16, no transform, each value rounded once): coded from bfloat16 words, the unrotated
+        # values as loaded, the rotated ones rounded into their pairs (so RoPE leaves them unrounded here)
+        words = (args.numerics & (HADAMARD | UNROUNDED | NOPE_ROTATED)) == 0
+        self.rope(ys, tables, ok, sub, cutlass.select_(words, args.numerics | UNROUNDED, args.numerics))
         hadamard = (args.numerics & HADAMARD) != 0
         if hadamard:
             self.hadamard(ys, sub, args.numerics)
@@ -262,22 +320,12 @@ class Kernel(KernelBase):
         # the saturated scale's inverse: the subnormal 2^-127, or 0 (INF_INVERSE_ZERO)
         top = cutlass.select_((args.numerics & INF_INVERSE_ZERO) != 0, Float32(0.0), kl.f32_from_bits(Uint32(0x00400000)))
         for s in range_constexpr(SLOTS):
-            amax = kl.butterfly_max(kl.abs_max(ys[s]), BLOCK_LANES)
-            e = self.exponent_field(amax, floor, 6.0, hadamard)
-            e = cutlass.select_(saturate, cutlass.min(e, Uint32(254)), e)  # (saturated: ceil(log2) clamped to 127)
-            # 2^(127 - e), 254 - e wrapped in 32 bits: -Inf for an Inf block (e = 255)
-            inv = kl.f32_from_bits((Uint32(254) - e) << Uint32(23))
-            inv = cutlass.select_(saturate & (e == Uint32(254)), top, inv)
-            y = cute.make_rmem_tensor(VEC, Float32)
-            y.store(ys[s].load() * inv)
+            e = Uint32(0)
             word = Uint32(0)
-            if hadamard:  # ties toward zero, no -0
-                word = hl.e2m1_pack8_ties_down(y)
+            if words:
+                e, word = self.bf16_block(s, frags[s], ys[s], floor, saturate, top, hadamard)
             else:
-                # y is an I/O-dtype (or bf16) value times 2^(127 - e), -Inf or 2^-127: the portable codes in
-                # float16 pairs keep every code (tests/test_lean_quant_cpu.py, tests/test_index_q.py); the
-                # native conversion is one instruction a pair
-                word = e2m1_pack8_io(y)
+                e, word = self.float_block(ys[s], floor, saturate, top, hadamard)
             word = cutlass.select_(ok, word, Uint32(0))
             j = s * LANES_PER_ROW + sub
             if valid:
@@ -287,6 +335,53 @@ class Kernel(KernelBase):
         p2 = Float32(1.0)  # (no per-row scale to fold)
         if valid & (sub == 0):
             self.store_weight(t, h, ok, w, p2, args)
+
+    @cute.jit
+    def float_block(self, ys, floor: Float32, saturate, top: Float32, hadamard):
+        """One lane's 8 values of a 32-value block, in float32: (its scale byte, its word of codes)."""
+        amax = kl.butterfly_max(kl.abs_max(ys), BLOCK_LANES)
+        e = self.block_exponent(amax, floor, saturate, hadamard)
+        y = cute.make_rmem_tensor(VEC, Float32)
+        y.store(ys.load() * self.block_inverse(e, saturate, top))
+        word = Uint32(0)
+        if hadamard:  # ties toward zero, no -0
+            word = hl.e2m1_pack8_ties_down(y)
+        else:
+            # y is an I/O-dtype (or bf16) value times 2^(127 - e), -Inf or 2^-127: the portable codes in
+            # float16 pairs keep every code (tests/test_lean_quant_cpu.py, tests/test_index_q.py); the
+            # native conversion is one instruction a pair
+            word = e2m1_pack8_io(y)
+        return e, word
+
+    @cute.jit
+    def bf16_block(self, s: cutlass.Constexpr, frag, ys, floor: Float32, saturate, top: Float32, hadamard):
+        """float_block's result from bfloat16 words (vLLM's rows): slot s's unrotated values as loaded (`frag`),
+        or its rotated values (`ys`, not yet rounded) rounded once into their pairs; the amax of the rounded
+        values is the rounded amax (rounding is monotonic). (`hadamard` is false where this runs.)"""
+        if const_expr(s * LANES_PER_ROW < TAIL_VECTOR < (s + 1) * LANES_PER_ROW):
+            raise ValueError("a slot holding rotated and unrotated vectors")  # (traced: never for D=128, R=64)
+        if const_expr(s * LANES_PER_ROW < TAIL_VECTOR):
+            raw = cute.recast_tensor(frag, Uint32)  # values (2j, 2j + 1) a word: regrouped as (i, i + 4)
+            pairs = [bytes_of(raw[i // 2], raw[i // 2 + 2], 0x7632 if i % 2 else 0x5410) for i in range(4)]
+            amax = kl.butterfly_max(bf16_abs_max(pairs), BLOCK_LANES)
+        else:
+            pairs = [bf16_pair(ys[i], ys[i + 4]) for i in range(4)]
+            amax = kl.butterfly_max(kl.abs_max(ys), BLOCK_LANES)
+            amax = kl.f32_from_bits(bf16_pair(amax, amax) & Uint32(0xFFFF0000))
+        e = self.block_exponent(amax, floor, saturate, hadamard)
+        return e, e2m1_pack8_bf16_pairs(pairs, self.block_inverse(e, saturate, top))
+
+    @cute.jit
+    def block_exponent(self, amax: Float32, floor: Float32, saturate, hadamard) -> Uint32:
+        """The block's scale byte: exponent_field, clamped to 254 where saturated (ceil(log2) to 127)."""
+        e = self.exponent_field(amax, floor, 6.0, hadamard)
+        return Uint32(cutlass.select_(saturate, cutlass.min(e, Uint32(254)), e))
+
+    @cute.jit
+    def block_inverse(self, e: Uint32, saturate, top: Float32) -> Float32:
+        """2^(127 - e), 254 - e wrapped in 32 bits: -Inf for an Inf block (e = 255); `top` where saturated."""
+        inv = kl.f32_from_bits((Uint32(254) - e) << Uint32(23))
+        return cutlass.select_(saturate & (e == Uint32(254)), top, inv)
 
     @cute.jit
     def rope(self, ys, tables, ok, sub: Int32, numerics: Int32):

@@ -251,7 +251,13 @@ class Kernel(KernelBase):
         t, h, valid, ok, tables, frags, w = row
         ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
         for s in range_constexpr(SLOTS):
-            ys[s].store(frags[s].load().to(Float32))
+            if const_expr(IO_DTYPE is cutlass.BFloat16):  # a bf16 value is the high half of its float32
+                loaded = cute.recast_tensor(frags[s], Uint32)
+                for j in range_constexpr(VEC // 2):
+                    ys[s][2 * j] = kl.f32_from_bits(loaded[j] << Uint32(16))
+                    ys[s][2 * j + 1] = kl.f32_from_bits(loaded[j] & Uint32(0xFFFF0000))
+            else:
+                ys[s].store(frags[s].load().to(Float32))
         self.rope(ys, tables, ok, sub, args.numerics)
         hadamard = (args.numerics & HADAMARD) != 0
         if hadamard:
@@ -263,22 +269,9 @@ class Kernel(KernelBase):
         # the saturated scale's inverse: the subnormal 2^-127, or 0 (INF_INVERSE_ZERO)
         top = cutlass.select_((args.numerics & INF_INVERSE_ZERO) != 0, Float32(0.0), kl.f32_from_bits(Uint32(0x00400000)))
         for s in range_constexpr(SLOTS):
-            amax = kl.butterfly_max(kl.abs_max(ys[s]), BLOCK_LANES)
-            e = self.exponent_field(amax, floor, 6.0, hadamard)
-            e = cutlass.select_(saturate, cutlass.min(e, Uint32(254)), e)  # (saturated: ceil(log2) clamped to 127)
-            # 2^(127 - e), 254 - e wrapped in 32 bits: -Inf for an Inf block (e = 255)
-            inv = kl.f32_from_bits((Uint32(254) - e) << Uint32(23))
-            inv = cutlass.select_(saturate & (e == Uint32(254)), top, inv)
-            y = cute.make_rmem_tensor(VEC, Float32)
-            y.store(ys[s].load() * inv)
+            e = Uint32(0)
             word = Uint32(0)
-            if hadamard:  # ties toward zero, no -0
-                word = hl.e2m1_pack8_ties_down(y)
-            else:
-                # y is an I/O-dtype (or bf16) value times 2^(127 - e), -Inf or 2^-127: the portable codes in
-                # float16 pairs keep every code (tests/test_lean_quant_cpu.py, tests/test_index_q.py); the
-                # native conversion is one instruction a pair
-                word = e2m1_pack8_io(y)
+            e, word = self.float_block(ys[s], floor, saturate, top, hadamard)
             word = cutlass.select_(ok, word, Uint32(0))
             j = s * LANES_PER_ROW + sub
             if valid:
@@ -288,6 +281,35 @@ class Kernel(KernelBase):
         p2 = Float32(1.0)  # (no per-row scale to fold)
         if valid & (sub == 0):
             self.store_weight(t, h, ok, w, p2, args)
+
+    @cute.jit
+    def float_block(self, ys, floor: Float32, saturate, top: Float32, hadamard):
+        """One lane's 8 values of a 32-value block, in float32: (its scale byte, its word of codes)."""
+        amax = kl.butterfly_max(kl.abs_max(ys), BLOCK_LANES)
+        e = self.block_exponent(amax, floor, saturate, hadamard)
+        y = cute.make_rmem_tensor(VEC, Float32)
+        y.store(ys.load() * self.block_inverse(e, saturate, top))
+        word = Uint32(0)
+        if hadamard:  # ties toward zero, no -0
+            word = hl.e2m1_pack8_ties_down(y)
+        else:
+            # y is an I/O-dtype (or bf16) value times 2^(127 - e), -Inf or 2^-127: the portable codes in
+            # float16 pairs keep every code (tests/test_lean_quant_cpu.py, tests/test_index_q.py); the
+            # native conversion is one instruction a pair
+            word = e2m1_pack8_io(y)
+        return e, word
+
+    @cute.jit
+    def block_exponent(self, amax: Float32, floor: Float32, saturate, hadamard) -> Uint32:
+        """The block's scale byte: exponent_field, clamped to 254 where saturated (ceil(log2) to 127)."""
+        e = self.exponent_field(amax, floor, 6.0, hadamard)
+        return Uint32(cutlass.select_(saturate, cutlass.min(e, Uint32(254)), e))
+
+    @cute.jit
+    def block_inverse(self, e: Uint32, saturate, top: Float32) -> Float32:
+        """2^(127 - e), 254 - e wrapped in 32 bits: -Inf for an Inf block (e = 255); `top` where saturated."""
+        inv = kl.f32_from_bits((Uint32(254) - e) << Uint32(23))
+        return cutlass.select_(saturate & (e == Uint32(254)), top, inv)
 
     @cute.jit
     def rope(self, ys, tables, ok, sub: Int32, numerics: Int32):
