@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import struct
+
 from attn_prologue import index_q_hadamard as hq
+from attn_prologue import numerics as nx
 from attn_prologue.formats import ElementCode
 from attn_prologue.index_q import FP8_FLOOR, MXFP4_BLOCK, MXFP4_FLOOR, IndexQFlag
 from attn_prologue.variants import Conversions, IoDtype, Variant
@@ -47,6 +50,13 @@ def _unread_flags(v: Variant, mxfp4: bool) -> set:
     return unread | ({f.ROTATED_BF16} if v.io_dtype is IoDtype.BF16 else set())
 
 
+def _bf16_word(value: float) -> int:
+    """The bfloat16 bits of `value` (exact in bfloat16)."""
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    assert bits & 0xFFFF == 0 and struct.unpack("<f", struct.pack("<I", bits))[0] == value, value
+    return bits >> 16
+
+
 def make_index_q_plan(v: Variant) -> dict:
     mxfp4 = v.format.element is ElementCode.E2M1
     lanes = v.head_dim // (2 * VEC)  # two vectors a lane: j and j + lanes
@@ -66,6 +76,7 @@ def make_index_q_plan(v: Variant) -> dict:
         "constants": {
             "FP8_FLOOR": f"{FP8_FLOOR!r}  # fl32: 0x38D1B717",
             **({"HADAMARD_FLOOR": "FP8_FLOOR"} if mxfp4 else {}),
+            "TIES_DOWN_SHRINK": f"float.fromhex({nx.E2M1_TIES_DOWN_SHRINK.hex()!r})  # numerics.E2M1_TIES_DOWN_SHRINK",
             "HADAMARD_SCALE": f"float.fromhex({hq.HADAMARD_SCALE.item().hex()!r})  # fl32(128 ** -0.5)",
             "NATURAL_STAGES": repr(hq.NATURAL_STAGES) + "  # the butterflies' index bits, in order",
             "TRITON_SM90_STAGES": repr(hq.TRITON_SM90_STAGES),
@@ -78,6 +89,7 @@ def make_index_q_plan(v: Variant) -> dict:
         "e2m1_io_codes": mxfp4,  # (the codes of I/O-dtype values times a power of two: e2m1_pack8_io)
         # bf16 rows coded from their bfloat16 words (e2m1_pack8_bf16_pairs) where the codes are software
         "e2m1_bf16_pairs": mxfp4 and v.io_dtype is IoDtype.BF16 and v.conversions is Conversions.PORTABLE,
+        "bf16_ties_down_shrinks": hex(_bf16_word(nx.E2M1_TIES_DOWN_SHRINK_BF16) * 0x10001),
         "scale": "ue8m0",
         "signature": _signature(v, mxfp4),
         "shared_symbols": {"tokens": "cute.sym_int32()", "heads": "cute.sym_int32()"},

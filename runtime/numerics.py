@@ -14,6 +14,13 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 E4M3_NAN_BYTE = 0x7F  # cvt.rn.satfinite.e4m3x2.f32 gives the canonical NaN 0x7F for any NaN
 E2M1_NAN_CODE = 0x7  # e2m1 has no NaN; NaN is stored as +6 (CUDA's fp4 conversion rule)
+# Round half down (the Hadamard engines' E2M1 rule) by the nearest-even rounding of a shrunk value: for x
+# a bfloat16 value times a power of two, x * (1 - 2^-9) in float32 (exact), rounded to nearest even -- in
+# one step, or through float16 first -- is x rounded half down: a tie moves below itself, any other value
+# stays on its side of every decision point (proven for every bf16 value and scale: tests/test_index_q_hadamard.py).
+# In bfloat16 (fma.rn.bf16x2, one rounding of a * s + 64 * 2^k) the representable 1 - 2^-8 does the same.
+E2M1_TIES_DOWN_SHRINK = 1 - 2.0**-9
+E2M1_TIES_DOWN_SHRINK_BF16 = 1 - 2.0**-8
 
 
 def _round_mantissa_f32(x: torch.Tensor, drop_bits: int) -> torch.Tensor:
@@ -137,25 +144,26 @@ def _bf16_bits(v: torch.Tensor) -> torch.Tensor:
     return v.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF  # (v is a bfloat16 value: exact)
 
 
-def e2m1_codes_in_bf16(mags: torch.Tensor, clamped: torch.Tensor) -> torch.Tensor:
+def e2m1_codes_in_bf16(mags: torch.Tensor, clamped: torch.Tensor, ties_down: bool = False) -> torch.Tensor:
     """The codes of e2m1_word_of_bf16, one half at a time: magnitudes `mags` in [0, 6] (bfloat16 values),
     signs from `clamped`. p = bits(max(a, 1)) & 0x7F80; t = a + 64 * 2^k rounded once (fma.rn.bf16x2);
-    code = bits(t) - p + (p >> 6) - 0x3FE."""
+    code = bits(t) - p + (p >> 6) - 0x3FE. `ties_down` (the Hadamard engines' rule): t = a * (1 - 2^-8) +
+    64 * 2^k rounded once instead (E2M1_TIES_DOWN_SHRINK_BF16), and no sign on a zero code."""
     p = _bf16_bits(torch.maximum(mags, torch.ones_like(mags))) & 0x7F80
-    t = round_bf16(
-        _sum_round_to_odd(torch.ldexp(torch.ones_like(mags), (p >> 7) - 127) * 64.0, mags.double())
-    )
+    a = mags.double() * (E2M1_TIES_DOWN_SHRINK_BF16 if ties_down else 1.0)  # (exact: 16 bits)
+    t = round_bf16(_sum_round_to_odd(torch.ldexp(torch.ones_like(mags), (p >> 7) - 127) * 64.0, a))
     code = _bf16_bits(t) - p + (p >> 6) - 0x3FE
-    return (code | torch.signbit(clamped).to(torch.int32) << 3).to(torch.uint8)
+    sign = torch.signbit(clamped) & ((code != 0) if ties_down else True)
+    return (code | sign.to(torch.int32) << 3).to(torch.uint8)
 
 
-def e2m1_pack_codes_in_bf16(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+def e2m1_pack_codes_in_bf16(x: torch.Tensor, inv: torch.Tensor, ties_down: bool = False) -> torch.Tensor:
     """e2m1_pack8_bf16_pairs per value: x a bfloat16 value, inv the block's inverse scale (a power of two,
     2^-127, 0 or -Inf: bfloat16 values too), the product rounded to bfloat16 (mul.rn.bf16x2), clamped to
     +-6 with NaN -> +6 (min.bf16x2, then max.bf16x2, return the other operand for NaN)."""
     six = torch.full_like(x, E2M1_MAX, dtype=torch.float64)
     c = _f16_min_max(round_bf16(x.double() * inv.double()), -six, six)
-    return e2m1_codes_in_bf16(c.abs(), c)
+    return e2m1_codes_in_bf16(c.abs(), c, ties_down)
 
 
 def e2m1_quotient_codes_in_f16(x: torch.Tensor, s: torch.Tensor, recip: torch.Tensor) -> torch.Tensor:

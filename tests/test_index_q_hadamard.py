@@ -315,6 +315,37 @@ def test_the_kernels_e2m1_ties_down_rule_is_the_engines():
     )
 
 
+def _inverse_scales():
+    """Every inverse scale an MXFP4 block takes: 2^-e for e in [-127, 127] (2^-127 also the saturated one),
+    0 (INF_INVERSE_ZERO) and -Inf (an Inf block)."""
+    return [2.0**-e for e in range(-127, 128)] + [0.0, -math.inf]
+
+
+def test_round_half_down_is_nearest_even_of_the_shrunk_value_for_every_bf16_value_and_scale():
+    """The kernels' short path to the ties-down codes (numerics.E2M1_TIES_DOWN_SHRINK): for every bf16 value x
+    (NaN, Inf, subnormals, zeros of both signs) times every inverse scale, x * (inv * (1 - 2^-9)) in float32
+    coded to nearest even -- directly (the SM100/SM120 conversion's rule, numerics.e2m1_codes) and through
+    float16 pairs (the SM90 path, e2m1_pack_codes_in_f16) -- with zero codes unsigned, equals the engines'
+    threshold rule on x * inv; so does the bfloat16 pair path with ties_down (fma of a * (1 - 2^-8)). The
+    same codes without the shrink differ on the ties (the check can fail)."""
+    x = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+
+    def unsigned_zeros(codes):
+        return torch.where((codes & 7) == 0, codes & 7, codes)
+
+    for inv in _inverse_scales():
+        want = e2m1_codes_toward_zero(x * torch.tensor(inv, dtype=torch.float32))
+        shrunk = x * (torch.tensor(inv, dtype=torch.float32) * nx.E2M1_TIES_DOWN_SHRINK)
+        assert torch.equal(unsigned_zeros(nx.e2m1_codes(shrunk)), want), inv
+        assert torch.equal(unsigned_zeros(nx.e2m1_pack_codes_in_f16(shrunk)), want), inv
+        assert torch.equal(nx.e2m1_pack_codes_in_bf16(x, torch.full_like(x, inv), ties_down=True), want), inv
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0])
+    assert not torch.equal(nx.e2m1_codes(ties), e2m1_codes_toward_zero(ties))
+    assert not torch.equal(
+        nx.e2m1_pack_codes_in_bf16(ties, torch.ones_like(ties)), e2m1_codes_toward_zero(ties)
+    )
+
+
 def test_the_hadamard_bits_are_defined_for_bf16_rows_only():
     assert numerics_bits("sglang", "bf16", "mxfp4") == IndexQFlag.HADAMARD | IndexQFlag.ROPE_EVEN_FUSED
     with pytest.raises(NumericsError, match="defined for bf16"):

@@ -41,6 +41,7 @@ FP8_LINEAR_SCALE = 1024
 FP8_UNSCALED = 2048
 DEFAULT_NUMERICS = 0  # the op's defaults (vLLM's CuTe-DSL kernel): a defaults_only module reads these
 FP8_FLOOR = 0.0001  # fl32: 0x38D1B717
+TIES_DOWN_SHRINK = float.fromhex('0x1.ff00000000000p-1')  # numerics.E2M1_TIES_DOWN_SHRINK
 HADAMARD_SCALE = float.fromhex('0x1.6a09e60000000p-4')  # fl32(128 ** -0.5)
 NATURAL_STAGES = (0, 1, 2, 3, 4, 5, 6)  # the butterflies' index bits, in order
 TRITON_SM90_STAGES = (2, 3, 4, 5, 6, 1, 0)
@@ -191,10 +192,11 @@ class Kernel(KernelBase):
                     ys[s][2 * j + 1] = kl.f32_from_bits(loaded[j] & Uint32(0xFFFF0000))
             else:
                 ys[s].store(frags[s].load().to(Float32))
-        self.rope(ys, tables, ok, sub, args.numerics)
         hadamard = (args.numerics & HADAMARD) != 0
+        rounded = (args.numerics & UNROUNDED) == 0
+        self.rope(ys, tables, ok, sub, args.numerics)
         if hadamard:
-            self.hadamard(ys, sub, args.numerics)
+            self.hadamard(ys, sub, args.numerics, rounded)
         saturate = (args.numerics & INF_SATURATES) != 0
         codes = args.q_out.iterator.toint() + Int64(t) * args.q_out.stride[0] + Int64(h) * ROW_CODE_BYTES
         amax = kl.abs_max(ys[0])
@@ -249,9 +251,9 @@ class Kernel(KernelBase):
                 ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))  # (bf16 rows: ROTATED_BF16 changes nothing)
 
     @cute.jit
-    def hadamard(self, ys, sub: Int32, numerics: Int32):
+    def hadamard(self, ys, sub: Int32, numerics: Int32, rounded):
         """The row times the 128-point Hadamard matrix (sums in the bits' stage order), times fl(128^-0.5),
-        rounded through bf16 unless UNROUNDED."""
+        rounded through bf16 where `rounded` (not UNROUNDED, nor left to the codes' bfloat16 words)."""
         if (numerics & TRITON_SM100_SUMS) != 0:
             hl.transform(ys, sub, TRITON_SM100_STAGES, LANES_PER_ROW)
         elif (numerics & TRITON_SM90_SUMS) != 0:
@@ -261,7 +263,7 @@ class Kernel(KernelBase):
         for s in range_constexpr(SLOTS):
             for i in range_constexpr(VEC):
                 ys[s][i] = kl.mul_rn(ys[s][i], Float32(HADAMARD_SCALE))
-        if (numerics & UNROUNDED) == 0:
+        if rounded:
             for s in range_constexpr(SLOTS):
                 ys[s].store(ys[s].load().to(cutlass.BFloat16).to(Float32))
 

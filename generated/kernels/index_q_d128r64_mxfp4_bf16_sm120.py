@@ -42,6 +42,7 @@ INF_INVERSE_ZERO = 4096
 DEFAULT_NUMERICS = 0  # the op's defaults (vLLM's CuTe-DSL kernel): a defaults_only module reads these
 FP8_FLOOR = 0.0001  # fl32: 0x38D1B717
 HADAMARD_FLOOR = FP8_FLOOR
+TIES_DOWN_SHRINK = float.fromhex('0x1.ff00000000000p-1')  # numerics.E2M1_TIES_DOWN_SHRINK
 HADAMARD_SCALE = float.fromhex('0x1.6a09e60000000p-4')  # fl32(128 ** -0.5)
 NATURAL_STAGES = (0, 1, 2, 3, 4, 5, 6)  # the butterflies' index bits, in order
 TRITON_SM90_STAGES = (2, 3, 4, 5, 6, 1, 0)
@@ -217,10 +218,11 @@ class Kernel(KernelBase):
                     ys[s][2 * j + 1] = kl.f32_from_bits(loaded[j] & Uint32(0xFFFF0000))
             else:
                 ys[s].store(frags[s].load().to(Float32))
-        self.rope(ys, tables, ok, sub, args.numerics)
         hadamard = (args.numerics & HADAMARD) != 0
+        rounded = (args.numerics & UNROUNDED) == 0
+        self.rope(ys, tables, ok, sub, args.numerics)
         if hadamard:
-            self.hadamard(ys, sub, args.numerics)
+            self.hadamard(ys, sub, args.numerics, rounded)
         saturate = (args.numerics & INF_SATURATES) != 0
         codes = args.q_out.iterator.toint() + Int64(t) * args.q_out.stride[0] + Int64(h) * ROW_CODE_BYTES
         scales = args.q_scales.iterator.toint() + Int64(t) * args.q_scales.stride[0] + Int64(h) * (HEAD_DIM // 32)
@@ -230,7 +232,7 @@ class Kernel(KernelBase):
         for s in range_constexpr(SLOTS):
             e = Uint32(0)
             word = Uint32(0)
-            e, word = self.float_block(ys[s], floor, saturate, top, hadamard)
+            e, word = self.float_block(ys[s], floor, saturate, top, hadamard, rounded)
             word = cutlass.select_(ok, word, Uint32(0))
             j = s * LANES_PER_ROW + sub
             if valid:
@@ -242,14 +244,19 @@ class Kernel(KernelBase):
             self.store_weight(t, h, ok, w, p2, args)
 
     @cute.jit
-    def float_block(self, ys, floor: Float32, saturate, top: Float32, hadamard):
+    def float_block(self, ys, floor: Float32, saturate, top: Float32, hadamard, rounded):
         """One lane's 8 values of a 32-value block, in float32: (its scale byte, its word of codes)."""
         amax = kl.butterfly_max(kl.abs_max(ys), BLOCK_LANES)
         e = self.block_exponent(amax, floor, saturate, hadamard)
+        inv = self.block_inverse(e, saturate, top)
+        # Hadamard rows rounded through bf16: ties toward zero as the nearest-even codes of the shrunk values
+        shrunk = hadamard & rounded
         y = cute.make_rmem_tensor(VEC, Float32)
-        y.store(ys.load() * self.block_inverse(e, saturate, top))
+        y.store(ys.load() * cutlass.select_(shrunk, kl.mul_rn(inv, Float32(TIES_DOWN_SHRINK)), inv))
         word = Uint32(0)
-        if hadamard:  # ties toward zero, no -0
+        if shrunk:  # (numerics.E2M1_TIES_DOWN_SHRINK; no -0)
+            word = kl.e2m1_positive_zeros(e2m1_pack8_io(y))
+        elif hadamard:  # ties toward zero, no -0, from any float32
             word = hl.e2m1_pack8_ties_down(y)
         else:
             # y is an I/O-dtype (or bf16) value times 2^(127 - e), -Inf or 2^-127: the portable codes in
@@ -293,9 +300,9 @@ class Kernel(KernelBase):
                 ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))  # (bf16 rows: ROTATED_BF16 changes nothing)
 
     @cute.jit
-    def hadamard(self, ys, sub: Int32, numerics: Int32):
+    def hadamard(self, ys, sub: Int32, numerics: Int32, rounded):
         """The row times the 128-point Hadamard matrix (sums in the bits' stage order), times fl(128^-0.5),
-        rounded through bf16 unless UNROUNDED."""
+        rounded through bf16 where `rounded` (not UNROUNDED, nor left to the codes' bfloat16 words)."""
         if (numerics & TRITON_SM100_SUMS) != 0:
             hl.transform(ys, sub, TRITON_SM100_STAGES, LANES_PER_ROW)
         elif (numerics & TRITON_SM90_SUMS) != 0:
@@ -305,7 +312,7 @@ class Kernel(KernelBase):
         for s in range_constexpr(SLOTS):
             for i in range_constexpr(VEC):
                 ys[s][i] = kl.mul_rn(ys[s][i], Float32(HADAMARD_SCALE))
-        if (numerics & UNROUNDED) == 0:
+        if rounded:
             for s in range_constexpr(SLOTS):
                 ys[s].store(ys[s].load().to(cutlass.BFloat16).to(Float32))
 

@@ -42,6 +42,7 @@ INF_INVERSE_ZERO = 4096
 DEFAULT_NUMERICS = 0  # the op's defaults (vLLM's CuTe-DSL kernel): a defaults_only module reads these
 FP8_FLOOR = 0.0001  # fl32: 0x38D1B717
 HADAMARD_FLOOR = FP8_FLOOR
+TIES_DOWN_SHRINK = float.fromhex('0x1.ff00000000000p-1')  # numerics.E2M1_TIES_DOWN_SHRINK
 HADAMARD_SCALE = float.fromhex('0x1.6a09e60000000p-4')  # fl32(128 ** -0.5)
 NATURAL_STAGES = (0, 1, 2, 3, 4, 5, 6)  # the butterflies' index bits, in order
 TRITON_SM90_STAGES = (2, 3, 4, 5, 6, 1, 0)
@@ -116,6 +117,8 @@ def e2m1_pack8_io(y) -> Uint32:
 # numerics.e2m1_pack_codes_in_bf16). The rows never leave their loaded or rounded words.
 BF16_ONES, BF16_64, BF16_SIXES = 0x3F803F80, 0x42804280, 0x40C040C0  # (1.0, 1.0), (64, 64), (6, 6)
 BF16_BIAS = 0x03FE03FE  # a code word's t - p + (p >> 6) minus its code, per half (e2m1_word_of_bf16)
+BF16_SHRINKS = 0x3f7f3f7f  # (1 - 2^-8, 1 - 2^-8): numerics.E2M1_TIES_DOWN_SHRINK_BF16
+BF16_TIMES_64 = 0x03000300  # + 6 in each half's exponent field
 
 
 def bf16_pair(lo: Float32, hi: Float32) -> Uint32:
@@ -133,11 +136,12 @@ def bytes_of(a: Uint32, b: Uint32, selector: int) -> Uint32:
     )
 
 
-def e2m1_pack8_bf16_pairs(words, inverse: Float32) -> Uint32:
+def e2m1_pack8_bf16_pairs(words, inverse: Float32, ties_down) -> Uint32:
     """The e2m1 codes of 4 bfloat16x2 words of row values times `inverse` (a power of two, 2^-127, 0 or
     -Inf, so a bfloat16 value: the high half of its float32 bits), saturated to +-6 with NaN -> +6. Per
     half as e2m1_word_of_f16, with bfloat16's 7 mantissa bits: t = a + 64 * 2^k, code = bits(t) - p +
-    (p >> 6) - 0x3FE (p has no bits below 7: p >> 6 keeps the halves apart)."""
+    (p >> 6) - 0x3FE (p has no bits below 7: p >> 6 keeps the halves apart). `ties_down` (the Hadamard
+    engines' rule): t = a * (1 - 2^-8) + 64 * 2^k, one rounding, and no -0."""
     inv = bytes_of(kl.f32_bits(inverse), kl.f32_bits(inverse), 0x3232)  # (its high half, twice)
     word = Uint32(0)
     for i in range(4):
@@ -146,9 +150,11 @@ def e2m1_pack8_bf16_pairs(words, inverse: Float32) -> Uint32:
         a = c & Uint32(0x7FFF7FFF)
         p = f16x2("max.bf16x2", a, BF16_ONES) & Uint32(0x7F807F80)
         t = f16x2("fma.rn.bf16x2", p, BF16_64, a)
+        t = Uint32(cutlass.select_(ties_down, f16x2("fma.rn.bf16x2", a, BF16_SHRINKS, p + Uint32(BF16_TIMES_64)), t))
         word = word + ((t + (p >> Uint32(6)) - p) << Uint32(4 * i))
         word = word + ((c & Uint32(0x80008000)) >> Uint32(12 - 4 * i))
-    return word - Uint32(sum(BF16_BIAS << (4 * i) for i in range(4)) % 2**32)
+    word = word - Uint32(sum(BF16_BIAS << (4 * i) for i in range(4)) % 2**32)
+    return Uint32(cutlass.select_(ties_down, kl.e2m1_positive_zeros(word), word))
 
 
 def bf16_abs_max(words) -> Float32:
@@ -306,13 +312,16 @@ class Kernel(KernelBase):
                     ys[s][2 * j + 1] = kl.f32_from_bits(loaded[j] & Uint32(0xFFFF0000))
             else:
                 ys[s].store(frags[s].load().to(Float32))
-        # vLLM's rows (bf16, no transform, each value rounded once): coded from bfloat16 words, the unrotated
-        # values as loaded, the rotated ones rounded into their pairs (so RoPE leaves them unrounded here)
-        words = (args.numerics & (HADAMARD | UNROUNDED | NOPE_ROTATED)) == 0
-        self.rope(ys, tables, ok, sub, cutlass.select_(words, args.numerics | UNROUNDED, args.numerics))
         hadamard = (args.numerics & HADAMARD) != 0
+        rounded = (args.numerics & UNROUNDED) == 0
+        # bf16 rows whose values are rounded once before the codes are coded from bfloat16 words: vLLM's (no
+        # transform: the unrotated values as loaded, the rotated ones rounded into their pairs, so RoPE leaves
+        # them unrounded here) and the Hadamard engines' (the transform's outputs rounded into their pairs)
+        words = (args.numerics & (HADAMARD | UNROUNDED | NOPE_ROTATED)) == 0
+        hadamard_words = hadamard & rounded
+        self.rope(ys, tables, ok, sub, cutlass.select_(words, args.numerics | UNROUNDED, args.numerics))
         if hadamard:
-            self.hadamard(ys, sub, args.numerics)
+            self.hadamard(ys, sub, args.numerics, rounded & cutlass.not_(hadamard_words))
         saturate = (args.numerics & INF_SATURATES) != 0
         codes = args.q_out.iterator.toint() + Int64(t) * args.q_out.stride[0] + Int64(h) * ROW_CODE_BYTES
         scales = args.q_scales.iterator.toint() + Int64(t) * args.q_scales.stride[0] + Int64(h) * (HEAD_DIM // 32)
@@ -322,10 +331,10 @@ class Kernel(KernelBase):
         for s in range_constexpr(SLOTS):
             e = Uint32(0)
             word = Uint32(0)
-            if words:
+            if words | hadamard_words:
                 e, word = self.bf16_block(s, frags[s], ys[s], floor, saturate, top, hadamard)
             else:
-                e, word = self.float_block(ys[s], floor, saturate, top, hadamard)
+                e, word = self.float_block(ys[s], floor, saturate, top, hadamard, rounded)
             word = cutlass.select_(ok, word, Uint32(0))
             j = s * LANES_PER_ROW + sub
             if valid:
@@ -337,14 +346,19 @@ class Kernel(KernelBase):
             self.store_weight(t, h, ok, w, p2, args)
 
     @cute.jit
-    def float_block(self, ys, floor: Float32, saturate, top: Float32, hadamard):
+    def float_block(self, ys, floor: Float32, saturate, top: Float32, hadamard, rounded):
         """One lane's 8 values of a 32-value block, in float32: (its scale byte, its word of codes)."""
         amax = kl.butterfly_max(kl.abs_max(ys), BLOCK_LANES)
         e = self.block_exponent(amax, floor, saturate, hadamard)
+        inv = self.block_inverse(e, saturate, top)
+        # Hadamard rows rounded through bf16: ties toward zero as the nearest-even codes of the shrunk values
+        shrunk = hadamard & rounded
         y = cute.make_rmem_tensor(VEC, Float32)
-        y.store(ys.load() * self.block_inverse(e, saturate, top))
+        y.store(ys.load() * cutlass.select_(shrunk, kl.mul_rn(inv, Float32(TIES_DOWN_SHRINK)), inv))
         word = Uint32(0)
-        if hadamard:  # ties toward zero, no -0
+        if shrunk:  # (numerics.E2M1_TIES_DOWN_SHRINK; no -0)
+            word = kl.e2m1_positive_zeros(e2m1_pack8_io(y))
+        elif hadamard:  # ties toward zero, no -0, from any float32
             word = hl.e2m1_pack8_ties_down(y)
         else:
             # y is an I/O-dtype (or bf16) value times 2^(127 - e), -Inf or 2^-127: the portable codes in
@@ -355,21 +369,22 @@ class Kernel(KernelBase):
 
     @cute.jit
     def bf16_block(self, s: cutlass.Constexpr, frag, ys, floor: Float32, saturate, top: Float32, hadamard):
-        """float_block's result from bfloat16 words (vLLM's rows): slot s's unrotated values as loaded (`frag`),
-        or its rotated values (`ys`, not yet rounded) rounded once into their pairs; the amax of the rounded
-        values is the rounded amax (rounding is monotonic). (`hadamard` is false where this runs.)"""
+        """float_block's result from bfloat16 words: vLLM's rows (slot s's unrotated values as loaded, `frag`, or
+        its rotated values, `ys`, not yet rounded, rounded once into their pairs) or the Hadamard engines' (the
+        transform's outputs, `ys`, rounded into their pairs; their codes ties toward zero). The amax of the
+        rounded values is the rounded amax (rounding is monotonic)."""
         if const_expr(s * LANES_PER_ROW < TAIL_VECTOR < (s + 1) * LANES_PER_ROW):
             raise ValueError("a slot holding rotated and unrotated vectors")  # (traced: never for D=128, R=64)
-        if const_expr(s * LANES_PER_ROW < TAIL_VECTOR):
+        pairs = [bf16_pair(ys[i], ys[i + 4]) for i in range(4)]
+        amax = kl.butterfly_max(kl.abs_max(ys), BLOCK_LANES)
+        amax = kl.f32_from_bits(bf16_pair(amax, amax) & Uint32(0xFFFF0000))
+        if const_expr(s * LANES_PER_ROW < TAIL_VECTOR):  # vLLM's unrotated values: the loaded words themselves
             raw = cute.recast_tensor(frag, Uint32)  # values (2j, 2j + 1) a word: regrouped as (i, i + 4)
-            pairs = [bytes_of(raw[i // 2], raw[i // 2 + 2], 0x7632 if i % 2 else 0x5410) for i in range(4)]
-            amax = kl.butterfly_max(bf16_abs_max(pairs), BLOCK_LANES)
-        else:
-            pairs = [bf16_pair(ys[i], ys[i + 4]) for i in range(4)]
-            amax = kl.butterfly_max(kl.abs_max(ys), BLOCK_LANES)
-            amax = kl.f32_from_bits(bf16_pair(amax, amax) & Uint32(0xFFFF0000))
+            loaded = [bytes_of(raw[i // 2], raw[i // 2 + 2], 0x7632 if i % 2 else 0x5410) for i in range(4)]
+            pairs = [cutlass.select_(hadamard, pairs[i], loaded[i]) for i in range(4)]
+            amax = cutlass.select_(hadamard, amax, kl.butterfly_max(bf16_abs_max(loaded), BLOCK_LANES))
         e = self.block_exponent(amax, floor, saturate, hadamard)
-        return e, e2m1_pack8_bf16_pairs(pairs, self.block_inverse(e, saturate, top))
+        return e, e2m1_pack8_bf16_pairs(pairs, self.block_inverse(e, saturate, top), hadamard)
 
     @cute.jit
     def block_exponent(self, amax: Float32, floor: Float32, saturate, hadamard) -> Uint32:
@@ -406,9 +421,9 @@ class Kernel(KernelBase):
                 ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))  # (bf16 rows: ROTATED_BF16 changes nothing)
 
     @cute.jit
-    def hadamard(self, ys, sub: Int32, numerics: Int32):
+    def hadamard(self, ys, sub: Int32, numerics: Int32, rounded):
         """The row times the 128-point Hadamard matrix (sums in the bits' stage order), times fl(128^-0.5),
-        rounded through bf16 unless UNROUNDED."""
+        rounded through bf16 where `rounded` (not UNROUNDED, nor left to the codes' bfloat16 words)."""
         if (numerics & TRITON_SM100_SUMS) != 0:
             hl.transform(ys, sub, TRITON_SM100_STAGES, LANES_PER_ROW)
         elif (numerics & TRITON_SM90_SUMS) != 0:
@@ -418,7 +433,7 @@ class Kernel(KernelBase):
         for s in range_constexpr(SLOTS):
             for i in range_constexpr(VEC):
                 ys[s][i] = kl.mul_rn(ys[s][i], Float32(HADAMARD_SCALE))
-        if (numerics & UNROUNDED) == 0:
+        if rounded:
             for s in range_constexpr(SLOTS):
                 ys[s].store(ys[s].load().to(cutlass.BFloat16).to(Float32))
 
