@@ -10,7 +10,7 @@ from attn_prologue.formats import ElementCode
 from attn_prologue.index_q import FP8_FLOOR, MXFP4_BLOCK, MXFP4_FLOOR, IndexQFlag
 from attn_prologue.variants import Conversions, IoDtype, Variant
 
-from .plan import VEC, WARP, Argument
+from .plan import VEC, Argument
 
 
 def _signature(v: Variant, mxfp4: bool) -> list[Argument]:
@@ -57,13 +57,18 @@ def _bf16_word(value: float) -> int:
     return bits >> 16
 
 
+def _mxfp4_constants() -> dict:
+    return {
+        "HADAMARD_FLOOR": "FP8_FLOOR",
+        "TIES_DOWN_SHRINK": f"float.fromhex({nx.E2M1_TIES_DOWN_SHRINK.hex()!r})  # numerics.E2M1_TIES_DOWN_SHRINK",
+    }
+
+
 def make_index_q_plan(v: Variant) -> dict:
     mxfp4 = v.format.element is ElementCode.E2M1
     lanes = v.head_dim // (2 * VEC)  # two vectors a lane: j and j + lanes
     return {
-        "lanes_per_row": lanes,
-        "rows_per_pass": WARP // lanes,
-        "slots": 2,
+        "lanes_per_row": lanes,  # (the module's own: LaunchConfig.q_lanes may give 4)
         "tail_vector": (v.head_dim - v.rope_dim) // VEC,
         "io_bytes": 2,
         "mxfp4": mxfp4,
@@ -75,8 +80,7 @@ def make_index_q_plan(v: Variant) -> dict:
         # the scales' amax floor (fp8; both formats under HADAMARD) and the Hadamard transform's facts
         "constants": {
             "FP8_FLOOR": f"{FP8_FLOOR!r}  # fl32: 0x38D1B717",
-            **({"HADAMARD_FLOOR": "FP8_FLOOR"} if mxfp4 else {}),
-            "TIES_DOWN_SHRINK": f"float.fromhex({nx.E2M1_TIES_DOWN_SHRINK.hex()!r})  # numerics.E2M1_TIES_DOWN_SHRINK",
+            **(_mxfp4_constants() if mxfp4 else {}),
             "HADAMARD_SCALE": f"float.fromhex({hq.HADAMARD_SCALE.item().hex()!r})  # fl32(128 ** -0.5)",
             "NATURAL_STAGES": repr(hq.NATURAL_STAGES) + "  # the butterflies' index bits, in order",
             "TRITON_SM90_STAGES": repr(hq.TRITON_SM90_STAGES),

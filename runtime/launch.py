@@ -49,7 +49,7 @@ class LaunchConfig:
     # its positions first. On the H200 late never helped qkv and moved the KV writers by -7..+4% at
     # T >= 2048 (docs/launch-knobs.md): the tuner picks it per bucket
     cos_sin_late: bool = False
-    # k > 0: a Q row over k lanes (8, 16 or 32; 0: the module's own, Q_LANES_PER_ROW), so a warp's
+    # k > 0: a Q row over k lanes (8, 16 or 32, index_q's 4 or 8; 0: the module's own), so a warp's
     # store instruction writes 32 / k rows. In the chunk-interleaved layout those are adjacent heads of
     # one token, and each chunk's pieces of them land as one run (k = 16: 64 bytes) with no
     # shared-memory stage; a lane's chain is 32 / k times a 32-lane row's. Q modules only (Variant.q_lanes)
@@ -75,8 +75,10 @@ class LaunchConfig:
             raise ValueError("defaults_only and folded_numerics each fix the numerics: give one")
         if self.row_split not in (1, 2, 4):
             raise ValueError(f"row_split must be 1, 2 or 4, got {self.row_split}")
-        if self.q_lanes not in (0, 8, 16, 32):
-            raise ValueError(f"q_lanes must be 0 (the module's), 8, 16 or 32, got {self.q_lanes}")
+        if self.q_lanes not in (0, 4, 8, 16, 32):
+            raise ValueError(
+                f"q_lanes must be 0 (the module's), 4 (index_q), 8, 16 or 32, got {self.q_lanes}"
+            )
 
     @property
     def persistent(self) -> bool:

@@ -264,6 +264,8 @@ class Variant:
     def q_lanes(self) -> tuple[int, ...]:
         """The LaunchConfig.q_lanes values this module takes: 0 (its own) and each lane count of a warp
         that holds a Q row in whole 128-bit vectors; (0,) for a module without Q rows."""
+        if self.op is Op.INDEX_Q:  # a row over 4 lanes (4 slots) or its own 8 (templates/index_q.py.jinja)
+            return (0, 4, 8)
         if not self.op.has_q:
             return (0,)
         return (0,) + tuple(k for k in (8, 16, 32) if k <= self.head_dim // 8)

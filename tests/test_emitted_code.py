@@ -374,6 +374,16 @@ def test_compiled_function_checks_equal_token_counts(built, v, key):
 
 
 # ---- the indexer's Q (templates/index_q.py.jinja) ---------------------------------------------------
+def index_q_shuffles(cfg: LaunchConfig, mx: bool, hadamard: bool) -> int:
+    """A row's butterfly shuffles: on L lanes (8, or q_lanes 4) a lane holds 128 / L values in 16 / L slots; the
+    transform's log2(L) stages that cross lanes move each value; the amax takes 2 a slot (a 32-value block
+    is a slot's vector on 4 lanes) under MXFP4, log2(L) over the row under FP8."""
+    lanes = cfg.q_lanes or 8
+    values, crossing = 128 // lanes, lanes.bit_length() - 1
+    amax = 2 * (16 // lanes) if mx else crossing
+    return amax + (crossing * values if hadamard else 0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("v, key", INDEX_Q_ENTRIES, ids=INDEX_Q_IDS)
 def test_index_q_accesses(built, v, key):
@@ -392,13 +402,11 @@ def test_index_q_accesses(built, v, key):
     assert codes == ({32, 8, 16} if mx else {64, 32, 16})
     bits = max(cfg.folded_numerics, 0)  # (every index_q module is built folded to one preset's bits)
     hadamard = bool(bits & IndexQFlag.HADAMARD)
-    native = (
-        v.conversions is Conversions.NATIVE and mx and not hadamard
-    )  # (ties down: software on every arch)
+    # (the Hadamard rows' ties-down codes too: nearest-even codes of the shrunk values, where rounded)
+    native = v.conversions is Conversions.NATIVE and mx
     assert (meta["ptx"]["cvt_e2m1x2"] >= 8) == native and (meta["ptx"]["cvt_e2m1x2"] > 0) == native
-    # the transform: 3 of its 7 butterfly stages cross lanes, 16 values a lane each; ties-down codes by fma.rp
-    assert ptx.count("shfl.sync.bfly") - (4 if mx else 3) == (48 if hadamard else 0)
-    assert ptx.count("fma.rp.f32") == (16 if hadamard and mx else 0)
+    assert ptx.count("shfl.sync.bfly") == index_q_shuffles(cfg, mx, hadamard)
+    assert ptx.count("fma.rp.f32") == 0  # (the float32 ties-down codes: UNROUNDED Hadamard MXFP4 rows only)
     assert meta["ptx"]["cvt_ue8m0x2"] == 0
     assert (meta["ptx"]["cvt_e4m3x2"] > 0) == (not mx)
     checked, problems = address_problems(ptx)
@@ -413,9 +421,12 @@ def test_index_q_accesses(built, v, key):
 @pytest.mark.slow
 def test_index_q_takes_int32_positions_through_its_own_module(tmp_path):
     """LaunchConfig.positions32 (SGLang's int32 positions): the compiled signature takes positions as int32,
-    loaded 32 bits wide, on SM90 and SM120 (every preset's folded module); the writers refuse the knob."""
-    cfg = LaunchConfig(warps_per_cta=4, pdl=True, non_coherent=True, streaming=True, positions32=True)
-    assert LaunchConfig.from_key(cfg.key) == cfg and cfg.key.endswith("_p32")
+    loaded 32 bits wide, on SM90 and SM120 (every preset's folded module); the writers refuse the knob. The
+    same build takes the other index_q-only knob, rows on 4 lanes (q_lanes 4): its shuffles, no local memory."""
+    cfg = LaunchConfig(
+        warps_per_cta=4, pdl=True, non_coherent=True, streaming=True, positions32=True, q_lanes=4
+    )
+    assert LaunchConfig.from_key(cfg.key) == cfg and cfg.key.endswith("_q4_p32")
     assert "int32 positions" in parse_name("kv_d128r64_fp8_token_bf16_sm90").refusal(cfg)
     names = ("index_q_d128r64_mxfp4_bf16_sm90", "index_q_d128r64_fp8_token_bf16_sm120")
     cmd = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir", str(tmp_path), "--targets",
@@ -433,3 +444,7 @@ def test_index_q_takes_int32_positions_through_its_own_module(tmp_path):
             ]
             spec = _SIGNATURE.search((cache.entry_dir(key) / "kernel.so").read_bytes())
             assert re.search(rb"positions: Tensor\(\[\w+\], int32\)", spec.group(1)), spec.group(1)
+            ptx = (cache.entry_dir(key) / "kernel.ptx").read_text()
+            mx, hadamard = "mxfp4" in name, bool(bits & IndexQFlag.HADAMARD)
+            assert ptx.count("shfl.sync.bfly") == index_q_shuffles(key.config, mx, hadamard), (name, bits)
+            assert meta["ptx"]["local_memory"] is False and meta["resources"]["frame_bytes"] == 0

@@ -20,9 +20,9 @@ HEAD_DIM = 128
 ROPE_DIM = 64
 IO_DTYPE = cutlass.Float16
 VEC = kl.VEC
-LANES_PER_ROW = 8  # lanes of one (token, head) row; vector j -> lane j % LANES_PER_ROW
-ROWS_PER_PASS = 4  # rows one warp handles at once
-SLOTS = 2  # 128-bit vectors per lane per row: slot 0 unrotated dims, slot 1 rotated ones
+# lanes of one (token, head) row: the module's own, or LaunchConfig.q_lanes (Variant.q_lanes); a row's vector j
+# is on lane j % lanes, slot j // lanes (each slot's vectors all unrotated or all rotated)
+LANES_PER_ROW = 8
 TAIL_VECTOR = 8  # first vector of the rotated dims [D - R, D)
 CODE_BYTES = VEC  # a vector's E4M3 codes
 ROW_CODE_BYTES = HEAD_DIM * CODE_BYTES // VEC
@@ -42,7 +42,6 @@ FP8_LINEAR_SCALE = 1024
 FP8_UNSCALED = 2048
 DEFAULT_NUMERICS = 0  # the op's defaults (vLLM's CuTe-DSL kernel): a defaults_only module reads these
 FP8_FLOOR = 0.0001  # fl32: 0x38D1B717
-TIES_DOWN_SHRINK = float.fromhex('0x1.ff00000000000p-1')  # numerics.E2M1_TIES_DOWN_SHRINK
 HADAMARD_SCALE = float.fromhex('0x1.6a09e60000000p-4')  # fl32(128 ** -0.5)
 NATURAL_STAGES = (0, 1, 2, 3, 4, 5, 6)  # the butterflies' index bits, in order
 TRITON_SM90_STAGES = (2, 3, 4, 5, 6, 1, 0)
@@ -76,16 +75,22 @@ class Schedule(NamedTuple):
 
 
 class Kernel(KernelBase):
-    """`Kernel(config)(*arguments, stream)` (arguments in `Variant.arguments` order): a pass is ROWS_PER_PASS
+    """`Kernel(config)(*arguments, stream)` (arguments in `Variant.arguments` order): a pass is 32 / lanes
     (token, head) rows; each warp takes config.passes_per_warp passes, loading all their rows before it
-    computes."""
+    computes. Fewer lanes a row (q_lanes 4) spread each row's fixed costs over more values a lane; more
+    give shorter chains for calls of few rows."""
 
     TAIL_VECTOR, ROPE_DIM = TAIL_VECTOR, ROPE_DIM  # (read by KernelBase's shared methods)
 
     def __init__(self, config):
-        if config.row_split != 1 or config.q_lanes or config.spread_kv:
-            raise ValueError(f"config {config.key}: row_split, q_lanes and spread_kv do not apply to index_q")
+        if config.row_split != 1 or config.spread_kv:
+            raise ValueError(f"config {config.key}: row_split and spread_kv do not apply to index_q")
         self.cfg = config
+        self.lanes = config.q_lanes or LANES_PER_ROW
+        self.rows_per_pass = 32 // self.lanes
+        self.slots = HEAD_DIM // VEC // self.lanes
+        if self.lanes not in (4, 8) or TAIL_VECTOR % self.lanes:
+            raise ValueError(f"config {config.key}: index_q rows take 4 or 8 lanes, each slot unrotated or rotated")
 
     @cute.jit
     def __call__(
@@ -109,7 +114,7 @@ class Kernel(KernelBase):
         warps = self.cfg.warps_per_cta
         heads = q_in.shape[1]
         rows = q_in.shape[0] * heads
-        passes = (rows + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
+        passes = (rows + (self.rows_per_pass - 1)) // self.rows_per_pass
         units = (passes + (per_warp - 1)) // per_warp
         grid = (units + (warps - 1)) // warps
         if const_expr(self.cfg.persistent):
@@ -142,10 +147,10 @@ class Kernel(KernelBase):
         """Passes p .. p + passes_per_warp - 1: every row's position and cos/sin loads first (before the PDL
         wait: the caller prepared them), then its q and weight loads, then each row is finished. A token
         whose position is outside the table (checked mode) gets zeros and is counted once (errors[1])."""
-        sub = lane % LANES_PER_ROW
+        sub = lane % self.lanes
         ids = []
         for u in range_constexpr(self.cfg.passes_per_warp):
-            r = (p + u) * ROWS_PER_PASS + lane // LANES_PER_ROW
+            r = (p + u) * self.rows_per_pass + lane // self.lanes
             valid = r < schedule.rows
             t = Int32(0)
             position = Int64(0)
@@ -159,18 +164,18 @@ class Kernel(KernelBase):
                 if bad & (h == 0) & (sub == 0):
                     self.count_error(args, 1)  # (waits first: a write)
                 ok = valid & cutlass.not_(bad)
-            tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, SLOTS, LANES_PER_ROW)
+            tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.lanes)
             ids.append((t, h, valid, ok, tables))
         self.wait_for_producer()
         loaded = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             t, h, valid, ok, tables = ids[u]
-            frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
             w = Float32(0.0)
             if valid:
                 src = kl.base_address(args.q_in) + (Int64(t) * args.q_in.stride[0] + Int64(h) * HEAD_DIM) * 2
-                for s in range_constexpr(SLOTS):
-                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.rows_non_coherent, self.cfg.streaming)
+                for s in range_constexpr(self.slots):
+                    kl.load_vector_into(frags[s], src, Int64((s * self.lanes + sub) * VEC * 2), IO_DTYPE, self.rows_non_coherent, self.cfg.streaming)
                 w = args.weights[t, h].to(Float32)
             loaded.append((t, h, valid, ok, tables, frags, w))
         for u in range_constexpr(self.cfg.passes_per_warp):
@@ -184,8 +189,8 @@ class Kernel(KernelBase):
         the rounding, the Hadamard rotation (HADAMARD), the codes and scales, the weight; zeros for a token
         outside the table."""
         t, h, valid, ok, tables, frags, w = row
-        ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
-        for s in range_constexpr(SLOTS):
+        ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(self.slots)]
+        for s in range_constexpr(self.slots):
             if const_expr(IO_DTYPE is cutlass.BFloat16):  # a bf16 value is the high half of its float32
                 loaded = cute.recast_tensor(frags[s], Uint32)
                 for j in range_constexpr(VEC // 2):
@@ -201,9 +206,9 @@ class Kernel(KernelBase):
         saturate = (args.numerics & INF_SATURATES) != 0
         codes = args.q_out.iterator.toint() + Int64(t) * args.q_out.stride[0] + Int64(h) * ROW_CODE_BYTES
         amax = kl.abs_max(ys[0])
-        for s in range_constexpr(1, SLOTS):
+        for s in range_constexpr(1, self.slots):
             amax = kl.fmax(amax, kl.abs_max(ys[s]))
-        amax = kl.butterfly_max(amax, LANES_PER_ROW)
+        amax = kl.butterfly_max(amax, self.lanes)
         e = self.exponent_field(amax, Float32(FP8_FLOOR), 448.0, hadamard)
         p2 = kl.f32_from_bits(e << Uint32(23))  # the row's scale: 2^(e - 127), Inf for an Inf row (e = 255)
         # 2^(127 - e), 254 - e wrapped in 32 bits: -Inf for an Inf row; saturated, x / Inf = x * 0
@@ -214,7 +219,7 @@ class Kernel(KernelBase):
         s_linear = kl.quotient_by_constant(kl.fmax(amax, Float32(FP8_FLOOR)), 448.0)  # RN(max(amax, 1e-4) / 448)
         inv = cutlass.select_(unscaled, Float32(1.0), cutlass.select_(linear, hl.rcp_rn(s_linear), inv))
         p2 = cutlass.select_(unscaled, Float32(1.0), cutlass.select_(linear, s_linear, p2))
-        for s in range_constexpr(SLOTS):
+        for s in range_constexpr(self.slots):
             y = cute.make_rmem_tensor(VEC, Float32)
             y.store(ys[s].load() * inv)
             if linear:  # clipped to +-448 first, NaN to +448 (min.f32 returns 448)
@@ -225,7 +230,7 @@ class Kernel(KernelBase):
             out[0] = cutlass.select_(ok, words[0], Uint32(0))
             out[1] = cutlass.select_(ok, words[1], Uint32(0))
             if valid:
-                kl.store_vector(out, codes, Int64((s * LANES_PER_ROW + sub) * CODE_BYTES), Uint32, 8, self.cfg.streaming)
+                kl.store_vector(out, codes, Int64((s * self.lanes + sub) * CODE_BYTES), Uint32, 8, self.cfg.streaming)
         if valid & (sub == 0):
             self.store_weight(t, h, ok, w, p2, args)
 
@@ -234,41 +239,42 @@ class Kernel(KernelBase):
         """RoPE in the bits' arithmetic, the unrotated pairs through it with cos 1, sin 0 (NOPE_ROTATED), then
         the rotated values rounded through the I/O dtype (or bf16: ROTATED_BF16; not at all: UNROUNDED)."""
         if (numerics & ROPE_UNFUSED) != 0:
-            for s in range_constexpr(SLOTS):
-                if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
-                    if ok & (s * LANES_PER_ROW + sub >= TAIL_VECTOR):
+            for s in range_constexpr(self.slots):
+                if const_expr((s + 1) * self.lanes > TAIL_VECTOR):
+                    if ok & (s * self.lanes + sub >= TAIL_VECTOR):
                         hl.rope_rotate_unfused(ys[s], tables[s][0], tables[s][1])
         elif (numerics & ROPE_EVEN_FUSED) != 0:
-            self.rotate_tail(ys, tables, ok, sub, SLOTS, LANES_PER_ROW, False)  # fma(e, c, -(o*s)), fma(e, s, o*c)
+            self.rotate_tail(ys, tables, ok, sub, self.slots, self.lanes, False)  # fma(e, c, -(o*s)), fma(e, s, o*c)
         else:
-            self.rotate_tail(ys, tables, ok, sub, SLOTS, LANES_PER_ROW, True)  # fma(e, c, -(o*s)), fma(o, c, e*s)
+            self.rotate_tail(ys, tables, ok, sub, self.slots, self.lanes, True)  # fma(e, c, -(o*s)), fma(o, c, e*s)
         if (numerics & NOPE_ROTATED) != 0:
-            for s in range_constexpr(SLOTS):
-                if const_expr(s * LANES_PER_ROW < TAIL_VECTOR):
-                    if s * LANES_PER_ROW + sub < TAIL_VECTOR:
+            for s in range_constexpr(self.slots):
+                if const_expr(s * self.lanes < TAIL_VECTOR):
+                    if s * self.lanes + sub < TAIL_VECTOR:
                         kl.rope_identity(ys[s])
         if (numerics & UNROUNDED) == 0:
-            for s in range_constexpr(1, SLOTS):  # (slot 0 holds the unrotated dims [0, D - R))
-                if (numerics & ROTATED_BF16) != 0:
-                    ys[s].store(ys[s].load().to(cutlass.BFloat16).to(Float32))
-                else:
-                    ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+            for s in range_constexpr(self.slots):
+                if const_expr(s * self.lanes >= TAIL_VECTOR):  # (the slots of the rotated dims [D - R, D))
+                    if (numerics & ROTATED_BF16) != 0:
+                        ys[s].store(ys[s].load().to(cutlass.BFloat16).to(Float32))
+                    else:
+                        ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
 
     @cute.jit
     def hadamard(self, ys, sub: Int32, numerics: Int32, rounded):
         """The row times the 128-point Hadamard matrix (sums in the bits' stage order), times fl(128^-0.5),
         rounded through bf16 where `rounded` (not UNROUNDED, nor left to the codes' bfloat16 words)."""
         if (numerics & TRITON_SM100_SUMS) != 0:
-            hl.transform(ys, sub, TRITON_SM100_STAGES, LANES_PER_ROW)
+            hl.transform(ys, sub, TRITON_SM100_STAGES, self.lanes)
         elif (numerics & TRITON_SM90_SUMS) != 0:
-            hl.transform(ys, sub, TRITON_SM90_STAGES, LANES_PER_ROW)
+            hl.transform(ys, sub, TRITON_SM90_STAGES, self.lanes)
         else:
-            hl.transform(ys, sub, NATURAL_STAGES, LANES_PER_ROW)
-        for s in range_constexpr(SLOTS):
+            hl.transform(ys, sub, NATURAL_STAGES, self.lanes)
+        for s in range_constexpr(self.slots):
             for i in range_constexpr(VEC):
                 ys[s][i] = kl.mul_rn(ys[s][i], Float32(HADAMARD_SCALE))
         if rounded:
-            for s in range_constexpr(SLOTS):
+            for s in range_constexpr(self.slots):
                 ys[s].store(ys[s].load().to(cutlass.BFloat16).to(Float32))
 
     @cute.jit

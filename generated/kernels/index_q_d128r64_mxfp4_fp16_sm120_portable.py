@@ -20,9 +20,9 @@ HEAD_DIM = 128
 ROPE_DIM = 64
 IO_DTYPE = cutlass.Float16
 VEC = kl.VEC
-LANES_PER_ROW = 8  # lanes of one (token, head) row; vector j -> lane j % LANES_PER_ROW
-ROWS_PER_PASS = 4  # rows one warp handles at once
-SLOTS = 2  # 128-bit vectors per lane per row: slot 0 unrotated dims, slot 1 rotated ones
+# lanes of one (token, head) row: the module's own, or LaunchConfig.q_lanes (Variant.q_lanes); a row's vector j
+# is on lane j % lanes, slot j // lanes (each slot's vectors all unrotated or all rotated)
+LANES_PER_ROW = 8
 TAIL_VECTOR = 8  # first vector of the rotated dims [D - R, D)
 BLOCK_LANES = 4  # lanes of one 32-value MXFP4 block
 CODE_BYTES = VEC // 2  # a vector's E2M1 codes
@@ -141,16 +141,22 @@ class Schedule(NamedTuple):
 
 
 class Kernel(KernelBase):
-    """`Kernel(config)(*arguments, stream)` (arguments in `Variant.arguments` order): a pass is ROWS_PER_PASS
+    """`Kernel(config)(*arguments, stream)` (arguments in `Variant.arguments` order): a pass is 32 / lanes
     (token, head) rows; each warp takes config.passes_per_warp passes, loading all their rows before it
-    computes."""
+    computes. Fewer lanes a row (q_lanes 4) spread each row's fixed costs over more values a lane; more
+    give shorter chains for calls of few rows."""
 
     TAIL_VECTOR, ROPE_DIM = TAIL_VECTOR, ROPE_DIM  # (read by KernelBase's shared methods)
 
     def __init__(self, config):
-        if config.row_split != 1 or config.q_lanes or config.spread_kv:
-            raise ValueError(f"config {config.key}: row_split, q_lanes and spread_kv do not apply to index_q")
+        if config.row_split != 1 or config.spread_kv:
+            raise ValueError(f"config {config.key}: row_split and spread_kv do not apply to index_q")
         self.cfg = config
+        self.lanes = config.q_lanes or LANES_PER_ROW
+        self.rows_per_pass = 32 // self.lanes
+        self.slots = HEAD_DIM // VEC // self.lanes
+        if self.lanes not in (4, 8) or TAIL_VECTOR % self.lanes:
+            raise ValueError(f"config {config.key}: index_q rows take 4 or 8 lanes, each slot unrotated or rotated")
 
     @cute.jit
     def __call__(
@@ -175,7 +181,7 @@ class Kernel(KernelBase):
         warps = self.cfg.warps_per_cta
         heads = q_in.shape[1]
         rows = q_in.shape[0] * heads
-        passes = (rows + (ROWS_PER_PASS - 1)) // ROWS_PER_PASS
+        passes = (rows + (self.rows_per_pass - 1)) // self.rows_per_pass
         units = (passes + (per_warp - 1)) // per_warp
         grid = (units + (warps - 1)) // warps
         if const_expr(self.cfg.persistent):
@@ -208,10 +214,10 @@ class Kernel(KernelBase):
         """Passes p .. p + passes_per_warp - 1: every row's position and cos/sin loads first (before the PDL
         wait: the caller prepared them), then its q and weight loads, then each row is finished. A token
         whose position is outside the table (checked mode) gets zeros and is counted once (errors[1])."""
-        sub = lane % LANES_PER_ROW
+        sub = lane % self.lanes
         ids = []
         for u in range_constexpr(self.cfg.passes_per_warp):
-            r = (p + u) * ROWS_PER_PASS + lane // LANES_PER_ROW
+            r = (p + u) * self.rows_per_pass + lane // self.lanes
             valid = r < schedule.rows
             t = Int32(0)
             position = Int64(0)
@@ -225,18 +231,18 @@ class Kernel(KernelBase):
                 if bad & (h == 0) & (sub == 0):
                     self.count_error(args, 1)  # (waits first: a write)
                 ok = valid & cutlass.not_(bad)
-            tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, SLOTS, LANES_PER_ROW)
+            tables = self.load_tail_cos_sin(ok, position, args.cos_sin_cache, sub, self.slots, self.lanes)
             ids.append((t, h, valid, ok, tables))
         self.wait_for_producer()
         loaded = []
         for u in range_constexpr(self.cfg.passes_per_warp):
             t, h, valid, ok, tables = ids[u]
-            frags = [kl.zero_vector(IO_DTYPE) for _ in range(SLOTS)]
+            frags = [kl.zero_vector(IO_DTYPE) for _ in range(self.slots)]
             w = Float32(0.0)
             if valid:
                 src = kl.base_address(args.q_in) + (Int64(t) * args.q_in.stride[0] + Int64(h) * HEAD_DIM) * 2
-                for s in range_constexpr(SLOTS):
-                    kl.load_vector_into(frags[s], src, Int64((s * LANES_PER_ROW + sub) * VEC * 2), IO_DTYPE, self.rows_non_coherent, self.cfg.streaming)
+                for s in range_constexpr(self.slots):
+                    kl.load_vector_into(frags[s], src, Int64((s * self.lanes + sub) * VEC * 2), IO_DTYPE, self.rows_non_coherent, self.cfg.streaming)
                 w = args.weights[t, h].to(Float32)
             loaded.append((t, h, valid, ok, tables, frags, w))
         for u in range_constexpr(self.cfg.passes_per_warp):
@@ -250,8 +256,8 @@ class Kernel(KernelBase):
         the rounding, the Hadamard rotation (HADAMARD), the codes and scales, the weight; zeros for a token
         outside the table."""
         t, h, valid, ok, tables, frags, w = row
-        ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(SLOTS)]
-        for s in range_constexpr(SLOTS):
+        ys = [cute.make_rmem_tensor(VEC, Float32) for _ in range(self.slots)]
+        for s in range_constexpr(self.slots):
             if const_expr(IO_DTYPE is cutlass.BFloat16):  # a bf16 value is the high half of its float32
                 loaded = cute.recast_tensor(frags[s], Uint32)
                 for j in range_constexpr(VEC // 2):
@@ -270,12 +276,12 @@ class Kernel(KernelBase):
         floor = cutlass.select_(hadamard, Float32(HADAMARD_FLOOR), Float32(float.fromhex('0x1.8000000000000p-124')))
         # the saturated scale's inverse: the subnormal 2^-127, or 0 (INF_INVERSE_ZERO)
         top = cutlass.select_((args.numerics & INF_INVERSE_ZERO) != 0, Float32(0.0), kl.f32_from_bits(Uint32(0x00400000)))
-        for s in range_constexpr(SLOTS):
+        for s in range_constexpr(self.slots):
             e = Uint32(0)
             word = Uint32(0)
             e, word = self.float_block(ys[s], floor, saturate, top, hadamard, rounded)
             word = cutlass.select_(ok, word, Uint32(0))
-            j = s * LANES_PER_ROW + sub
+            j = s * self.lanes + sub
             if valid:
                 kl.store_u32(codes, Int64(j * CODE_BYTES), word)
                 if sub % BLOCK_LANES == 0:
@@ -323,41 +329,42 @@ class Kernel(KernelBase):
         """RoPE in the bits' arithmetic, the unrotated pairs through it with cos 1, sin 0 (NOPE_ROTATED), then
         the rotated values rounded through the I/O dtype (or bf16: ROTATED_BF16; not at all: UNROUNDED)."""
         if (numerics & ROPE_UNFUSED) != 0:
-            for s in range_constexpr(SLOTS):
-                if const_expr((s + 1) * LANES_PER_ROW > TAIL_VECTOR):
-                    if ok & (s * LANES_PER_ROW + sub >= TAIL_VECTOR):
+            for s in range_constexpr(self.slots):
+                if const_expr((s + 1) * self.lanes > TAIL_VECTOR):
+                    if ok & (s * self.lanes + sub >= TAIL_VECTOR):
                         hl.rope_rotate_unfused(ys[s], tables[s][0], tables[s][1])
         elif (numerics & ROPE_EVEN_FUSED) != 0:
-            self.rotate_tail(ys, tables, ok, sub, SLOTS, LANES_PER_ROW, False)  # fma(e, c, -(o*s)), fma(e, s, o*c)
+            self.rotate_tail(ys, tables, ok, sub, self.slots, self.lanes, False)  # fma(e, c, -(o*s)), fma(e, s, o*c)
         else:
-            self.rotate_tail(ys, tables, ok, sub, SLOTS, LANES_PER_ROW, True)  # fma(e, c, -(o*s)), fma(o, c, e*s)
+            self.rotate_tail(ys, tables, ok, sub, self.slots, self.lanes, True)  # fma(e, c, -(o*s)), fma(o, c, e*s)
         if (numerics & NOPE_ROTATED) != 0:
-            for s in range_constexpr(SLOTS):
-                if const_expr(s * LANES_PER_ROW < TAIL_VECTOR):
-                    if s * LANES_PER_ROW + sub < TAIL_VECTOR:
+            for s in range_constexpr(self.slots):
+                if const_expr(s * self.lanes < TAIL_VECTOR):
+                    if s * self.lanes + sub < TAIL_VECTOR:
                         kl.rope_identity(ys[s])
         if (numerics & UNROUNDED) == 0:
-            for s in range_constexpr(1, SLOTS):  # (slot 0 holds the unrotated dims [0, D - R))
-                if (numerics & ROTATED_BF16) != 0:
-                    ys[s].store(ys[s].load().to(cutlass.BFloat16).to(Float32))
-                else:
-                    ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
+            for s in range_constexpr(self.slots):
+                if const_expr(s * self.lanes >= TAIL_VECTOR):  # (the slots of the rotated dims [D - R, D))
+                    if (numerics & ROTATED_BF16) != 0:
+                        ys[s].store(ys[s].load().to(cutlass.BFloat16).to(Float32))
+                    else:
+                        ys[s].store(ys[s].load().to(IO_DTYPE).to(Float32))
 
     @cute.jit
     def hadamard(self, ys, sub: Int32, numerics: Int32, rounded):
         """The row times the 128-point Hadamard matrix (sums in the bits' stage order), times fl(128^-0.5),
         rounded through bf16 where `rounded` (not UNROUNDED, nor left to the codes' bfloat16 words)."""
         if (numerics & TRITON_SM100_SUMS) != 0:
-            hl.transform(ys, sub, TRITON_SM100_STAGES, LANES_PER_ROW)
+            hl.transform(ys, sub, TRITON_SM100_STAGES, self.lanes)
         elif (numerics & TRITON_SM90_SUMS) != 0:
-            hl.transform(ys, sub, TRITON_SM90_STAGES, LANES_PER_ROW)
+            hl.transform(ys, sub, TRITON_SM90_STAGES, self.lanes)
         else:
-            hl.transform(ys, sub, NATURAL_STAGES, LANES_PER_ROW)
-        for s in range_constexpr(SLOTS):
+            hl.transform(ys, sub, NATURAL_STAGES, self.lanes)
+        for s in range_constexpr(self.slots):
             for i in range_constexpr(VEC):
                 ys[s][i] = kl.mul_rn(ys[s][i], Float32(HADAMARD_SCALE))
         if rounded:
-            for s in range_constexpr(SLOTS):
+            for s in range_constexpr(self.slots):
                 ys[s].store(ys[s].load().to(cutlass.BFloat16).to(Float32))
 
     @cute.jit

@@ -29,7 +29,7 @@ def transform(ys, sub: Int32, stages, lanes: int):
     `stages` (the index bit its pairs differ in; each butterfly writes lo + hi, lo - hi). Lane map of
     index_q: dim i = 8 * (slot * lanes + sub) + element, so bits 0-2 pair elements of a vector, the next
     log2(lanes) bits pair lanes (a butterfly shuffle: the upper lane takes other - own = lo - hi) and the
-    last pairs the two slots."""
+    rest pair slots."""
     lane_bits = lanes.bit_length() - 1
     for bit in stages:
         if bit < 3:
@@ -47,10 +47,13 @@ def transform(ys, sub: Int32, stages, lanes: int):
                     other = cute.arch.shuffle_sync_bfly(y[j], mask)
                     y[j] = fma_rn(y[j], sign, other)  # other + own, or other - own: one exact rounding
         else:
-            lo_vec, hi_vec = ys[0], ys[1]
-            for j in range(VEC):
-                lo, hi = lo_vec[j], hi_vec[j]
-                lo_vec[j], hi_vec[j] = lo + hi, lo - hi
+            h = 1 << (bit - 3 - lane_bits)
+            for s in range(len(ys)):
+                if not s & h:
+                    lo_vec, hi_vec = ys[s], ys[s + h]
+                    for j in range(VEC):
+                        lo, hi = lo_vec[j], hi_vec[j]
+                        lo_vec[j], hi_vec[j] = lo + hi, lo - hi
 
 
 def e2m1_pack8_ties_down(y) -> Uint32:

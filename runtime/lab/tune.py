@@ -85,15 +85,16 @@ DEFAULT_SPACE = (
     ]
 )
 
-# index_q's knobs (templates/index_q.py.jinja): warps, passes, PDL, the non-coherent and streaming loads
+# index_q's knobs (templates/index_q.py.jinja): warps, passes, PDL, the non-coherent and streaming loads, lanes a row
 # (no KV rows to spread, no quantization choice to lean, no cos/sin rows to load late)
 INDEX_Q_SPACE = [
-    LaunchConfig(w, u, pdl, nc, streaming=cs)
+    LaunchConfig(w, u, pdl, nc, streaming=cs, q_lanes=lanes)
     for w in (2, 4, 8, 16)
     for u in (1, 2, 4)
     for pdl in (True, False)
     for nc in (True, False)
     for cs in (True, False)
+    for lanes in (0, 4)  # a row on the module's 8 lanes or on 4
 ]
 
 

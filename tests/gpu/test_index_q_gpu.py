@@ -69,6 +69,7 @@ CASES = [
         (torch.bfloat16, int(F.HADAMARD)),
         (torch.bfloat16, int(F.HADAMARD | F.TRITON_SM90_SUMS | F.NOPE_ROTATED | F.INF_SATURATES)),
         (torch.float16, int(F.HADAMARD | F.ROPE_UNFUSED | F.ROTATED_BF16 | F.UNROUNDED)),
+        (torch.float16, int(F.HADAMARD)),  # (the float32 rows' shrunk nearest-even codes, not bf16 words)
     )
     for w_dtype in (torch.float32, torch.bfloat16)
 ]
@@ -109,6 +110,19 @@ def test_every_launch_knob_gives_the_same_bytes(fmt, config):
     out = poisoned(777, 64, fmt, torch.float32)
     ap.index_q_rope_quant(**dev, q_out=out[0], weights_out=out[1], q_scales=out[2], fmt=fmt, config=config)
     check(cpu, out, fmt, None, torch.float32)
+
+
+@pytest.mark.parametrize("fmt, dtype, numerics", sorted({c[:3] for c in CASES}, key=str), ids=str)
+def test_rows_on_four_lanes_give_the_same_bytes(fmt, dtype, numerics):
+    """LaunchConfig.q_lanes=4 (a row's 16 vectors on 4 lanes, 4 slots a lane: the tuner's other layout) for
+    every preset and bits of the cases above, a token outside the table among the rows."""
+    cpu, dev = make(300, 64, dtype, seed=21, bad_token=7)
+    out = poisoned(300, 64, fmt, torch.float32)
+    config = LaunchConfig(warps_per_cta=4, pdl=True, non_coherent=True, streaming=True, q_lanes=4)
+    ap.index_q_rope_quant(
+        **dev, q_out=out[0], weights_out=out[1], q_scales=out[2], fmt=fmt, numerics=numerics, config=config
+    )
+    check(cpu, out, fmt, numerics, torch.float32)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_token", "mxfp4"])
