@@ -427,7 +427,9 @@ def test_index_q_takes_int32_positions_through_its_own_module(tmp_path):
         warps_per_cta=4, pdl=True, non_coherent=True, streaming=True, positions32=True, q_lanes=4
     )
     assert LaunchConfig.from_key(cfg.key) == cfg and cfg.key.endswith("_q4_p32")
-    assert "int32 positions" in parse_name("kv_d128r64_fp8_token_bf16_sm90").refusal(cfg)
+    writer_cfg = LaunchConfig(warps_per_cta=4, positions32=True)
+    assert "int32 positions" in parse_name("kv_d128r64_fp8_token_bf16_sm90").refusal(writer_cfg)
+    assert "on 4 lanes" in parse_name("qkv_d128r64_fp8_token_bf16_sm90").refusal(LaunchConfig(q_lanes=4))
     names = ("index_q_d128r64_mxfp4_bf16_sm90", "index_q_d128r64_fp8_token_bf16_sm120")
     cmd = [sys.executable, "-m", "attn_prologue", "build", "--cache-dir", str(tmp_path), "--targets",
            "sm_90a,sm_120f", "--config", cfg.key, "--variants", *names]  # fmt: skip

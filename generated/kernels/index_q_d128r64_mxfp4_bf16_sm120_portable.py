@@ -377,18 +377,15 @@ class Kernel(KernelBase):
     def bf16_block(self, s: cutlass.Constexpr, frag, ys, floor: Float32, saturate, top: Float32, hadamard):
         """float_block's result from bfloat16 words: vLLM's rows (slot s's unrotated values as loaded, `frag`, or
         its rotated values, `ys`, not yet rounded, rounded once into their pairs) or the Hadamard engines' (the
-        transform's outputs, `ys`, rounded into their pairs; their codes ties toward zero). The amax of the
-        rounded values is the rounded amax (rounding is monotonic)."""
+        transform's outputs, `ys`, rounded into their pairs; their codes ties toward zero)."""
         if const_expr(s * self.lanes < TAIL_VECTOR < (s + 1) * self.lanes):
             raise ValueError("a slot holding rotated and unrotated vectors")  # (traced: never for D=128, R=64)
         pairs = [bf16_pair(ys[i], ys[i + 4]) for i in range(4)]
-        amax = kl.butterfly_max(kl.abs_max(ys), BLOCK_LANES)
-        amax = kl.f32_from_bits(bf16_pair(amax, amax) & Uint32(0xFFFF0000))
         if const_expr(s * self.lanes < TAIL_VECTOR):  # vLLM's unrotated values: the loaded words themselves
             raw = cute.recast_tensor(frag, Uint32)  # values (2j, 2j + 1) a word: regrouped as (i, i + 4)
             loaded = [bytes_of(raw[i // 2], raw[i // 2 + 2], 0x7632 if i % 2 else 0x5410) for i in range(4)]
-            pairs = [cutlass.select_(hadamard, pairs[i], loaded[i]) for i in range(4)]
-            amax = cutlass.select_(hadamard, amax, kl.butterfly_max(bf16_abs_max(loaded), BLOCK_LANES))
+            pairs = [Uint32(cutlass.select_(hadamard, pairs[i], loaded[i])) for i in range(4)]
+        amax = kl.butterfly_max(bf16_abs_max(pairs), BLOCK_LANES)
         e = self.block_exponent(amax, floor, saturate, hadamard)
         return e, e2m1_pack8_bf16_pairs(pairs, self.block_inverse(e, saturate, top), hadamard)
 
