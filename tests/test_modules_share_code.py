@@ -197,9 +197,9 @@ def test_native_conversions_are_the_hardware_ones(shape, family):
     for ptx in ("cvt.rp.satfinite.ue8m0x2.f32", "cvt.rn.satfinite.e2m1x2.f32"):
         assert ptx not in portable
     # the portable conversions' own PTX (the E2M1 codes of I/O-dtype rows in float16 pairs: mxfp4 and
-    # nvfp4_v41, and nvfp4_dsv4 with bf16 rows) is what every target has: float16x2 arithmetic and the
-    # float32 -> float16x2 cvt
-    assert set(re.findall(r"cvt\.[\w.]+", portable)) <= {"cvt.rn.f16x2.f32"}
+    # nvfp4_v41, and nvfp4_dsv4 with bf16 rows; index_q's bf16 rows in bfloat16 pairs) is what every target
+    # has: float16x2 / bfloat16x2 arithmetic and the float32 -> float16x2 / bfloat16x2 cvt
+    assert set(re.findall(r"cvt\.[\w.]+", portable)) <= {"cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32"}
     assert set(re.findall(r"\b(\w+)\.[\w.]*f16x2", portable)) <= {"cvt", "min", "max", "mul", "fma"}
     float16_codes = shape[4] in ("mxfp4", "nvfp4_v41") or shape[4:] == ("nvfp4_dsv4", "bf16")
     assert ("inline_ptx" in sm90["conversions"]) == float16_codes

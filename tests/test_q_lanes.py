@@ -29,8 +29,9 @@ def test_the_key_spells_the_lanes_and_reads_back():
     assert LaunchConfig.from_key(Q16.key) == Q16
     assert LaunchConfig.from_key("w4_u1_pdl1_nc1_cs_r2_late_q8").q_lanes == 8
     assert LaunchConfig.from_key("w4_u1_pdl1_nc1").q_lanes == 0
+    assert LaunchConfig.from_key("w4_u1_pdl1_nc1_q4").q_lanes == 4  # (index_q's rows only: Variant.q_lanes)
     with pytest.raises(ValueError, match="q_lanes must be 0"):
-        LaunchConfig(q_lanes=4)
+        LaunchConfig(q_lanes=2)
 
 
 @pytest.mark.parametrize(
