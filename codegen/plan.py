@@ -148,7 +148,7 @@ def make_plan(v: Variant) -> dict:
         # bf16 rows only (tests/test_lean_quant_cpu.py)
         "e2m1_io_codes": f.element is ElementCode.E2M1
         and (f.scale is ScaleCode.UE8M0 or f.divide_by_scale or v.io_dtype is IoDtype.BF16),
-        "e2m1_bf16_pairs": False,  # (index_q's bf16 rows only: plan_index_q)
+        "bf16_e2m1_rows": False,  # (index_q's bf16 rows only: plan_index_q)
         "needs_ue8m0": f.scale in (ScaleCode.UE8M0, ScaleCode.F32_POW2),
         "q_flags": {flag.name: int(flag) for flag in QFlag} if v.op.has_q else {},
         "interleaved": v.q_layout is QLayout.INTERLEAVED,

@@ -8,7 +8,7 @@ from attn_prologue import index_q_hadamard as hq
 from attn_prologue import numerics as nx
 from attn_prologue.formats import ElementCode
 from attn_prologue.index_q import FP8_FLOOR, MXFP4_BLOCK, MXFP4_FLOOR, IndexQFlag
-from attn_prologue.variants import Conversions, IoDtype, Variant
+from attn_prologue.variants import IoDtype, Variant
 
 from .plan import VEC, Argument
 
@@ -91,8 +91,9 @@ def make_index_q_plan(v: Variant) -> dict:
         "e2m1_float_codes": False,  # (its codes are the float16 ones, e2m1_pack8_io, or the Hadamard rule's)
         "needs_ue8m0": False,
         "e2m1_io_codes": mxfp4,  # (the codes of I/O-dtype values times a power of two: e2m1_pack8_io)
-        # bf16 rows coded from their bfloat16 words (e2m1_pack8_bf16_pairs) where the codes are software
-        "e2m1_bf16_pairs": mxfp4 and v.io_dtype is IoDtype.BF16 and v.conversions is Conversions.PORTABLE,
+        # bf16 rows: the conversions block's Bf16RowCodes says whether they are coded from bfloat16 words
+        # (the portable modules: e2m1_pack8_bf16_pairs) or from float32 (the native ones)
+        "bf16_e2m1_rows": mxfp4 and v.io_dtype is IoDtype.BF16,
         "bf16_ties_down_shrinks": hex(_bf16_word(nx.E2M1_TIES_DOWN_SHRINK_BF16) * 0x10001),
         "scale": "ue8m0",
         "signature": _signature(v, mxfp4),

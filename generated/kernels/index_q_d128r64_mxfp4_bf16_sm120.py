@@ -69,6 +69,13 @@ def e2m1_pack8_io(y) -> Uint32:
     """The portable modules' float16 path for rows in the I/O dtype; here the hardware conversion, already
     one instruction a pair, of y."""
     return e2m1_pack8(y, True, in_range=False)
+
+
+class Bf16RowCodes:
+    """Where index_q's bf16 MXFP4 rows get their codes: here, always from float32 (the native conversion
+    codes a float32 pair in one instruction, fewer than the portable modules' bfloat16-word arithmetic)."""
+
+    FROM_BF16_WORDS = False
 # ---- end conversions ---------------------------------------------------------------------------
 
 
@@ -99,7 +106,7 @@ class Schedule(NamedTuple):
     heads_shift: Int32
 
 
-class Kernel(KernelBase):
+class Kernel(Bf16RowCodes, KernelBase):
     """`Kernel(config)(*arguments, stream)` (arguments in `Variant.arguments` order): a pass is 32 / lanes
     (token, head) rows; each warp takes config.passes_per_warp passes, loading all their rows before it
     computes. Fewer lanes a row (q_lanes 4) spread each row's fixed costs over more values a lane; more
@@ -226,9 +233,20 @@ class Kernel(KernelBase):
                 ys[s].store(frags[s].load().to(Float32))
         hadamard = (args.numerics & HADAMARD) != 0
         rounded = (args.numerics & UNROUNDED) == 0
-        self.rope(ys, tables, ok, sub, args.numerics)
-        if hadamard:
-            self.hadamard(ys, sub, args.numerics, rounded)
+        if const_expr(self.FROM_BF16_WORDS):
+            # bf16 rows whose values are rounded once before the codes are coded from bfloat16 words: vLLM's
+            # (no transform: the unrotated values as loaded, the rotated ones rounded into their pairs, so RoPE
+            # leaves them unrounded here) and the Hadamard engines' (the transform's outputs rounded into
+            # their pairs)
+            words = (args.numerics & (HADAMARD | UNROUNDED | NOPE_ROTATED)) == 0
+            hadamard_words = hadamard & rounded
+            self.rope(ys, tables, ok, sub, cutlass.select_(words, args.numerics | UNROUNDED, args.numerics))
+            if hadamard:
+                self.hadamard(ys, sub, args.numerics, rounded & cutlass.not_(hadamard_words))
+        else:
+            self.rope(ys, tables, ok, sub, args.numerics)
+            if hadamard:
+                self.hadamard(ys, sub, args.numerics, rounded)
         saturate = (args.numerics & INF_SATURATES) != 0
         codes = args.q_out.iterator.toint() + Int64(t) * args.q_out.stride[0] + Int64(h) * ROW_CODE_BYTES
         scales = args.q_scales.iterator.toint() + Int64(t) * args.q_scales.stride[0] + Int64(h) * (HEAD_DIM // 32)
@@ -238,7 +256,13 @@ class Kernel(KernelBase):
         for s in range_constexpr(self.slots):
             e = Uint32(0)
             word = Uint32(0)
-            e, word = self.float_block(ys[s], floor, saturate, top, hadamard, rounded)
+            if const_expr(self.FROM_BF16_WORDS):
+                if words | hadamard_words:
+                    e, word = self.bf16_block(s, frags[s], ys[s], floor, saturate, top, hadamard)
+                else:
+                    e, word = self.float_block(ys[s], floor, saturate, top, hadamard, rounded)
+            else:
+                e, word = self.float_block(ys[s], floor, saturate, top, hadamard, rounded)
             word = cutlass.select_(ok, word, Uint32(0))
             j = s * self.lanes + sub
             if valid:

@@ -163,6 +163,29 @@ def bf16_abs_max(words) -> Float32:
     m = f16x2("max.bf16x2", f16x2("max.bf16x2", words[0] & Uint32(0x7FFF7FFF), words[1] & Uint32(0x7FFF7FFF)),
               f16x2("max.bf16x2", words[2] & Uint32(0x7FFF7FFF), words[3] & Uint32(0x7FFF7FFF)))  # fmt: skip
     return kl.fmax(kl.f32_from_bits(m << Uint32(16)), kl.f32_from_bits(m & Uint32(0xFFFF0000)))
+
+
+class Bf16RowCodes:
+    """Where index_q's bf16 MXFP4 rows get their codes: here, from bfloat16 words wherever their values are
+    rounded once before the codes (software codes take fewer instructions on bf16x2 pairs than on float32)."""
+
+    FROM_BF16_WORDS = True
+
+    @cute.jit
+    def bf16_block(self, s: cutlass.Constexpr, frag, ys, floor: Float32, saturate, top: Float32, hadamard):
+        """float_block's result from bfloat16 words: vLLM's rows (slot s's unrotated values as loaded, `frag`,
+        or its rotated values, `ys`, not yet rounded, rounded once into their pairs) or the Hadamard engines'
+        (the transform's outputs, `ys`, rounded into their pairs; their codes ties toward zero)."""
+        if const_expr(s * self.lanes < TAIL_VECTOR < (s + 1) * self.lanes):
+            raise ValueError("a slot holding rotated and unrotated vectors")  # (traced: never for D=128, R=64)
+        pairs = [bf16_pair(ys[i], ys[i + 4]) for i in range(4)]
+        if const_expr(s * self.lanes < TAIL_VECTOR):  # vLLM's unrotated values: the loaded words themselves
+            raw = cute.recast_tensor(frag, Uint32)  # values (2j, 2j + 1) a word: regrouped as (i, i + 4)
+            loaded = [bytes_of(raw[i // 2], raw[i // 2 + 2], 0x7632 if i % 2 else 0x5410) for i in range(4)]
+            pairs = [Uint32(cutlass.select_(hadamard, pairs[i], loaded[i])) for i in range(4)]
+        amax = kl.butterfly_max(bf16_abs_max(pairs), BLOCK_LANES)
+        e = self.block_exponent(amax, floor, saturate, hadamard)
+        return e, e2m1_pack8_bf16_pairs(pairs, self.block_inverse(e, saturate, top), hadamard)
 # ---- end conversions ---------------------------------------------------------------------------
 
 
@@ -193,7 +216,7 @@ class Schedule(NamedTuple):
     heads_shift: Int32
 
 
-class Kernel(KernelBase):
+class Kernel(Bf16RowCodes, KernelBase):
     """`Kernel(config)(*arguments, stream)` (arguments in `Variant.arguments` order): a pass is 32 / lanes
     (token, head) rows; each warp takes config.passes_per_warp passes, loading all their rows before it
     computes. Fewer lanes a row (q_lanes 4) spread each row's fixed costs over more values a lane; more
@@ -320,14 +343,20 @@ class Kernel(KernelBase):
                 ys[s].store(frags[s].load().to(Float32))
         hadamard = (args.numerics & HADAMARD) != 0
         rounded = (args.numerics & UNROUNDED) == 0
-        # bf16 rows whose values are rounded once before the codes are coded from bfloat16 words: vLLM's (no
-        # transform: the unrotated values as loaded, the rotated ones rounded into their pairs, so RoPE leaves
-        # them unrounded here) and the Hadamard engines' (the transform's outputs rounded into their pairs)
-        words = (args.numerics & (HADAMARD | UNROUNDED | NOPE_ROTATED)) == 0
-        hadamard_words = hadamard & rounded
-        self.rope(ys, tables, ok, sub, cutlass.select_(words, args.numerics | UNROUNDED, args.numerics))
-        if hadamard:
-            self.hadamard(ys, sub, args.numerics, rounded & cutlass.not_(hadamard_words))
+        if const_expr(self.FROM_BF16_WORDS):
+            # bf16 rows whose values are rounded once before the codes are coded from bfloat16 words: vLLM's
+            # (no transform: the unrotated values as loaded, the rotated ones rounded into their pairs, so RoPE
+            # leaves them unrounded here) and the Hadamard engines' (the transform's outputs rounded into
+            # their pairs)
+            words = (args.numerics & (HADAMARD | UNROUNDED | NOPE_ROTATED)) == 0
+            hadamard_words = hadamard & rounded
+            self.rope(ys, tables, ok, sub, cutlass.select_(words, args.numerics | UNROUNDED, args.numerics))
+            if hadamard:
+                self.hadamard(ys, sub, args.numerics, rounded & cutlass.not_(hadamard_words))
+        else:
+            self.rope(ys, tables, ok, sub, args.numerics)
+            if hadamard:
+                self.hadamard(ys, sub, args.numerics, rounded)
         saturate = (args.numerics & INF_SATURATES) != 0
         codes = args.q_out.iterator.toint() + Int64(t) * args.q_out.stride[0] + Int64(h) * ROW_CODE_BYTES
         scales = args.q_scales.iterator.toint() + Int64(t) * args.q_scales.stride[0] + Int64(h) * (HEAD_DIM // 32)
@@ -337,8 +366,11 @@ class Kernel(KernelBase):
         for s in range_constexpr(self.slots):
             e = Uint32(0)
             word = Uint32(0)
-            if words | hadamard_words:
-                e, word = self.bf16_block(s, frags[s], ys[s], floor, saturate, top, hadamard)
+            if const_expr(self.FROM_BF16_WORDS):
+                if words | hadamard_words:
+                    e, word = self.bf16_block(s, frags[s], ys[s], floor, saturate, top, hadamard)
+                else:
+                    e, word = self.float_block(ys[s], floor, saturate, top, hadamard, rounded)
             else:
                 e, word = self.float_block(ys[s], floor, saturate, top, hadamard, rounded)
             word = cutlass.select_(ok, word, Uint32(0))
@@ -372,22 +404,6 @@ class Kernel(KernelBase):
             # native conversion is one instruction a pair
             word = e2m1_pack8_io(y)
         return e, word
-
-    @cute.jit
-    def bf16_block(self, s: cutlass.Constexpr, frag, ys, floor: Float32, saturate, top: Float32, hadamard):
-        """float_block's result from bfloat16 words: vLLM's rows (slot s's unrotated values as loaded, `frag`, or
-        its rotated values, `ys`, not yet rounded, rounded once into their pairs) or the Hadamard engines' (the
-        transform's outputs, `ys`, rounded into their pairs; their codes ties toward zero)."""
-        if const_expr(s * self.lanes < TAIL_VECTOR < (s + 1) * self.lanes):
-            raise ValueError("a slot holding rotated and unrotated vectors")  # (traced: never for D=128, R=64)
-        pairs = [bf16_pair(ys[i], ys[i + 4]) for i in range(4)]
-        if const_expr(s * self.lanes < TAIL_VECTOR):  # vLLM's unrotated values: the loaded words themselves
-            raw = cute.recast_tensor(frag, Uint32)  # values (2j, 2j + 1) a word: regrouped as (i, i + 4)
-            loaded = [bytes_of(raw[i // 2], raw[i // 2 + 2], 0x7632 if i % 2 else 0x5410) for i in range(4)]
-            pairs = [Uint32(cutlass.select_(hadamard, pairs[i], loaded[i])) for i in range(4)]
-        amax = kl.butterfly_max(bf16_abs_max(pairs), BLOCK_LANES)
-        e = self.block_exponent(amax, floor, saturate, hadamard)
-        return e, e2m1_pack8_bf16_pairs(pairs, self.block_inverse(e, saturate, top), hadamard)
 
     @cute.jit
     def block_exponent(self, amax: Float32, floor: Float32, saturate, hadamard) -> Uint32:
