@@ -167,8 +167,8 @@ class Runtime:
         return use
 
     def tuning_table(self, device: torch.device | int | None = None) -> dict:
-        """(variant, bucket) -> {(heads, heads written, compress ratio): LaunchConfig} tuned on a GPU like this one
-        (empty without such entries)."""
+        """(variant, bucket) -> {(heads, heads written, compress ratio): LaunchConfig} tuned on a GPU like this one,
+        and (variant, bucket, bits) -> the same tuned for those numerics bits (empty without such entries)."""
         facts = self.device(device)
         table = self._tuning_tables.get(facts.index)
         if table is None:
@@ -190,11 +190,19 @@ class Runtime:
         heads: int | None,
         written: int | None,
         compress_ratio: int = 1,
+        numerics: int | None = None,
     ) -> LaunchConfig:
         """The tuned config of n_tokens' bucket at (heads, heads written) or the nearest, of the call's
-        compress ratio or else of ratio 1 (tuning.pick), else the default."""
-        tuned = self.tuning_table(device).get((v.name, 1 << bucket_index(n_tokens)))
-        return tuning.pick(tuned, heads, written, compress_ratio) or v.arch.default_config
+        compress ratio or else of ratio 1 (tuning.pick), else the default; an entry tuned for the call's
+        `numerics` bits first."""
+        table, bucket = self.tuning_table(device), 1 << bucket_index(n_tokens)
+        if numerics is not None:
+            tuned = tuning.pick(table.get((v.name, bucket, numerics)), heads, written, compress_ratio)
+            if tuned is not None:
+                return tuned
+        return (
+            tuning.pick(table.get((v.name, bucket)), heads, written, compress_ratio) or v.arch.default_config
+        )
 
     def launcher(
         self, v: Variant, config: LaunchConfig, device: torch.device | int | None = None
@@ -252,7 +260,7 @@ class Runtime:
         if config is not None and (why := v.refusal(config)):
             raise UnsupportedError(why)
         configs = [
-            config or self.config(v, facts.index, 1 << i, heads, written, compress_ratio)
+            config or self.config(v, facts.index, 1 << i, heads, written, compress_ratio, numerics)
             for i in range(MAX_BUCKET_LOG2 + 1)
         ]
         bits = v.default_numerics if numerics is None else numerics

@@ -7,7 +7,9 @@ tuner writes the pad heads) and the compress ratio of the calls it timed (1 wher
 say), and holds the best launch-config key with its timing. A call uses the entries of its compress
 ratio, else those of ratio 1 (a compressed writer inserts one row in r, which changes which config
 wins); among them, the entry tuned at its (H, heads written), else the nearest one: the KV rows'
-share of the work and the share of pad zeroing change which config wins. Loading checks the metadata against the running
+share of the work and the share of pad zeroing change which config wins. An entry whose config folds a
+call's numerics bits (`_n<bits>`: index_q's engine presets, `tune --numerics`) serves the calls with exactly
+those bits, ahead of the entries that serve every call. Loading checks the metadata against the running
 environment: a mismatch is reported and ignored unless forced; a corrupt file is reported and
 ignored. Runs merge into one file.
 """
@@ -57,6 +59,13 @@ def entry_shape(e: dict) -> tuple[int, int, int]:
     was then the only value (64 heads, written as many, ratio 1)."""
     heads = int(e.get("heads", DEFAULT_HEADS))
     return heads, int(e.get("padded_heads", heads)), int(e.get("compress_ratio", 1))
+
+
+def entry_numerics(e: dict) -> int | None:
+    """The numerics bits an entry was tuned for: those its config folds (`tune --numerics PRESET`); None for
+    an entry that serves every call (folded to each call's bits where its op folds them)."""
+    bits = LaunchConfig.from_key(e["config"]).folded_numerics
+    return bits if bits >= 0 else None
 
 
 def bucket_of(n_tokens: int) -> int:
@@ -197,7 +206,13 @@ class TuningDatabase:
         """New entries replace old ones with the same environment, variant, bucket and head counts."""
 
         def ident(e):
-            return (*(e.get(f) for f in MATCH_FIELDS), e["variant"], e["bucket"], *entry_shape(e))
+            return (
+                *(e.get(f) for f in MATCH_FIELDS),
+                e["variant"],
+                e["bucket"],
+                *entry_shape(e),
+                entry_numerics(e),
+            )
 
         index = {ident(e): i for i, e in enumerate(self.entries)}
         for e in new_entries:
@@ -212,7 +227,8 @@ class TuningDatabase:
     def table_for(
         self, env: Environment, *, force: bool = False
     ) -> dict[tuple[str, int], dict[tuple[int, int, int], LaunchConfig]]:
-        """(variant, bucket) -> {(heads, heads written, compress ratio): config} for this environment. Entries for
+        """(variant, bucket) -> {(heads, heads written, compress ratio): config} for this environment, and
+        (variant, bucket, bits) -> the same for the entries tuned for those numerics bits. Entries for
         another GPU, SM count, capability, package or DSL version are reported once and ignored
         unless force=True."""
         table, mismatched = {}, set()
@@ -223,7 +239,9 @@ class TuningDatabase:
                 mismatched.add((e.get("gpu"), tuple(diff)))
                 continue
             shape = entry_shape(e)  # (validated on load: positive ints)
-            table.setdefault((e["variant"], int(e["bucket"])), {})[shape] = LaunchConfig.from_key(e["config"])
+            bits = entry_numerics(e)
+            key = (e["variant"], int(e["bucket"])) + (() if bits is None else (bits,))
+            table.setdefault(key, {})[shape] = LaunchConfig.from_key(e["config"])
         if mismatched and not table:
             note = (
                 f"tuning database {self.path}: no entry matches this GPU ({want['gpu']}, {want['sms']} SMs, "

@@ -148,6 +148,12 @@ def build_parser() -> o.Parser:
     s.add_argument(
         "--like-gpu", help="the GPU whose entries --like follows, when DB has several (default: its only one)"
     )
+    s.add_argument(
+        "--numerics", metavar="PRESET",
+        help="index_q only: time its calls with this engine preset's numerics (sglang, tokenspeed, ...); the "
+        "entries serve that preset's calls (default: the defaults', vLLM's, whose entries serve every call "
+        "no preset's entry covers)",
+    )  # fmt: skip
     s.add_argument("--jobs", type=o.count(1), help="compile processes (default: CPU count)")
     s.add_argument(
         "--replays", type=o.count(1), default=15, help="CUDA-graph replays per timing (median taken)"

@@ -69,12 +69,14 @@ def run_one(t: int, fmt: str, replays: int, numerics: str = "vllm") -> dict:
             "of_copy": ratio, "target": target, "met": None if target is None else ratio >= target}  # fmt: skip
 
 
-def time_config(fmt: str, dtype, config, t: int, heads: int, replays: int) -> float:
-    """Median microseconds of one call of T = t under `config` (the default bits, vLLM's), cold L2: the
-    tuner's timing."""
+def time_config(
+    fmt: str, dtype, config, t: int, heads: int, replays: int, numerics: str | None = None
+) -> float:
+    """Median microseconds of one call of T = t under `config` with these numerics (a preset; None: the
+    defaults', vLLM's), cold L2: the tuner's timing."""
     nbytes = min_bytes(t, fmt, heads)
     nsets = sets_for_bytes(nbytes)
-    sets = input_sets(t, fmt, nsets, numerics=None, heads=heads, dtype=dtype)
+    sets = input_sets(t, fmt, nsets, numerics=numerics, heads=heads, dtype=dtype)
     est_us = max(2.0, nbytes / 4e6)  # ~30 ms of GPU time per measurement, as tune.time_config
     calls = max(nsets, min(20, int(3000 / est_us) + 1))
     reps = max(3, min(replays, int(30000 / (est_us * calls)) + 1))

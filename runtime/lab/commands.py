@@ -143,6 +143,14 @@ def run_tune(args) -> int:
         print(f"tune: no {arch.value} variant{ratio} matches {args.variants}")
         return 1
     default = arch.default_config
+    if args.numerics is not None:
+        try:
+            for n in names:  # (checked before any sweep starts)
+                tune.for_preset(n, [default], args.numerics)
+        except (ValueError, NumericsError) as exc:
+            raise InputError(f"tune --numerics {args.numerics}: {exc}") from None
+        if like is not None:
+            raise InputError("tune --numerics: not with --like (its entries say what they were tuned for)")
     if like is not None:
         try:
             followed_entries = tune.like_followed(like, names, args.like_gpu)
@@ -154,7 +162,12 @@ def run_tune(args) -> int:
         followed = None
         # each variant's space (index_q's knobs are its own), the heuristic's choice always among them
         buckets = args.buckets or tuning.default_buckets(args.max_tokens)
-        configs = {n: tune.prune([*(args.configs or tune.space_for(n, args.space)), default]) for n in names}
+        configs = {
+            n: tune.for_preset(
+                n, tune.prune([*(args.configs or tune.space_for(n, args.space)), default]), args.numerics
+            )
+            for n in names
+        }
         plan = [tune.SweepPlan(args.heads, args.padded_heads, args.compress_ratio, tuple(buckets), configs)]
     origin = provenance()
     env = tuning.current_environment()
@@ -169,6 +182,7 @@ def run_tune(args) -> int:
         sweep = tune.run(
             variants, buckets, sweep_plan.configs, h=sweep_plan.heads, p=sweep_plan.padded_heads,
             compress_ratio=sweep_plan.compress_ratio, jobs=args.jobs, replays=args.replays,
+            numerics=args.numerics,
         )  # fmt: skip
         sweeps.append(sweep)
         made = tune.entries(
@@ -177,7 +191,11 @@ def run_tune(args) -> int:
         )  # fmt: skip
         new += made
         default_us += [
-            sweep.timings.get((e["variant"], e["bucket"], default.key), float("inf")) for e in made
+            sweep.timings.get(
+                (e["variant"], e["bucket"], tune.for_preset(e["variant"], [default], args.numerics)[0].key),
+                float("inf"),
+            )
+            for e in made
         ]
     db_path = Path(args.db) if args.db else tuning.database_path()
     tuning.TuningDatabase.merge_into(db_path, new)

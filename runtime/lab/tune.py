@@ -113,6 +113,21 @@ def module_timed(variant: str, config: LaunchConfig) -> LaunchConfig:
     return config
 
 
+def for_preset(variant: str, configs: list[LaunchConfig], preset: str | None) -> list[LaunchConfig]:
+    """`tune --numerics PRESET`: index_q's configs folded to the preset's bits, so that the tuner times that
+    preset's modules and its entries serve exactly that preset's calls (tuning.entry_numerics). The
+    defaults' bits (or no preset) leave them unfolded: those entries serve every call."""
+    v = parse_name(variant)
+    if preset is None:
+        return list(configs)
+    if v.op is not Op.INDEX_Q:
+        raise ValueError(f"{variant}: only index_q's calls are tuned per numerics preset")
+    bits = numerics_bits(preset, v.io_dtype.value, v.cache_format)
+    if bits == v.default_numerics:
+        return list(configs)
+    return [c.folded_to(bits, v.default_numerics) for c in configs]
+
+
 def prune(configs: list[LaunchConfig]) -> list[LaunchConfig]:
     """Drop invalid and duplicate configs (by key), keeping order."""
     seen, out = set(), []
@@ -182,12 +197,13 @@ def run(
     compress_ratio: int = 1,
     jobs: int | None = None,
     replays: int = 15,
+    numerics: str | None = None,
     cache=None,
     log: Callable[[str], None] = print,
 ) -> Sweep:
     """Time every (variant, config, bucket); configs given per variant (a dict) time each variant over
     its own. compress_ratio > 1 times the variants' compressed calls (KV-only modules of a format that
-    takes that ratio)."""
+    takes that ratio); `numerics` (index_q: a preset, with configs for_preset) times calls with its bits."""
     cache = cache or dispatch.default_runtime().cache
     target = dispatch.default_runtime().device().target
     configs_of = configs if isinstance(configs, dict) else dict.fromkeys(variants, configs)
@@ -212,8 +228,9 @@ def run(
                 if err is None:
                     try:
                         us = time_config(
-                            variant, config, b, h=h, p=p, replays=replays, compress_ratio=compress_ratio
-                        )
+                            variant, config, b, h=h, p=p, replays=replays, compress_ratio=compress_ratio,
+                            numerics=numerics,
+                        )  # fmt: skip
                     except Exception as exc:
                         err = f"{type(exc).__name__}: {exc}"
                 if err is not None:
@@ -232,11 +249,21 @@ def run(
 
 
 def time_config(
-    variant: str, config: LaunchConfig, n: int, *, h: int, p: int, replays: int, compress_ratio: int = 1
+    variant: str,
+    config: LaunchConfig,
+    n: int,
+    *,
+    h: int,
+    p: int,
+    replays: int,
+    compress_ratio: int = 1,
+    numerics: str | None = None,
 ) -> float:
     v = parse_name(variant)
     if v.op is Op.INDEX_Q:
-        return bench_index_q.time_config(v.cache_format, v.io_dtype.torch_dtype, config, n, h, replays)
+        return bench_index_q.time_config(
+            v.cache_format, v.io_dtype.torch_dtype, config, n, h, replays, numerics
+        )
     shape = shape_for(variant, n, h, p, compress_ratio=compress_ratio)
     nsets = bench.sets_for_cold_l2(shape)
     sets = bench.input_sets(shape, nsets)
